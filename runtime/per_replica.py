@@ -1,7 +1,7 @@
 """``PerReplica`` values, ``distribute`` and ``reduce`` (TF's strategy.reduce)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -11,16 +11,56 @@ class PerReplica:
     """One pytree per replica: replica ``r`` sees ``values[r]``.
 
     As a step argument it marks a per-replica (varying) input; as a step result it holds
-    the per-replica values of a leaf that differs between replicas."""
+    the per-replica values of a leaf that differs between replicas. A step result is
+    deferred, like a ``jax.Array``: it holds the step's one global output array, and
+    ``values`` splits it into one array per replica the first time it is read (a
+    dispatch per replica that a loop which never looks at a result should not pay).
+    ``jax.block_until_ready(out)`` waits for it without splitting it, and
+    :func:`reduce` reads it with one device-to-host transfer."""
 
-    __slots__ = ("values", "_global")
+    __slots__ = ("_values", "_global", "_n", "_make", "_pending", "_vshape")
 
     def __init__(self, values: Sequence[Any]):
-        self.values = tuple(values)
-        self._global = None  # the global batch this was split from, when known
+        self._values = tuple(values)
+        self._n = len(self._values)
+        self._global = None   # (treedef, leaves): the global batch these values split, when known
+        self._make = None     # deferred: builds the values on first read
+        self._pending = ()    # deferred: the arrays the values will come from
+        self._vshape = None   # with _global one array: every value's shape (it stacks them)
+
+    @classmethod
+    def deferred(cls, num: int, make: Callable[[], Sequence[Any]],
+                 pending: Sequence[Any] = (), stacked: tuple | None = None) -> PerReplica:
+        """``num`` values that ``make()`` builds when ``values`` is first read; ``pending``
+        are the arrays they come from (what :meth:`block_until_ready` waits for).
+        ``stacked=(array, value_shape)``: value ``r`` is
+        ``array.reshape((num,) + value_shape)[r]`` (the step's global output), which
+        :func:`reduce` and the next step's inputs read without building the values."""
+        out = cls.__new__(cls)
+        out._values, out._n, out._global, out._vshape = None, num, None, None
+        out._make, out._pending = make, tuple(pending)
+        if stacked is not None:
+            out._global = (_LEAF, (stacked[0],))
+            out._vshape = tuple(stacked[1])
+        return out
+
+    @property
+    def values(self) -> tuple:
+        """The per-replica values, a tuple of ``len(self)`` pytrees."""
+        v = self._values
+        if v is None:
+            # two threads may both build them: the same arrays either way
+            v = self._values = tuple(self._make())
+            self._make = None
+        return v
+
+    def block_until_ready(self) -> PerReplica:
+        """Wait until every value is computed (``jax.block_until_ready`` calls this)."""
+        jax.block_until_ready(list(self._pending) if self._values is None else self._values)
+        return self
 
     def __len__(self) -> int:
-        return len(self.values)
+        return self._n
 
     def __getitem__(self, r: int) -> Any:
         return self.values[r]
@@ -64,6 +104,18 @@ def distribute(tree: Any, num_replicas: int) -> PerReplica:
 
 
 _REDUCE_OPS = ("sum", "mean", "max", "min")
+_LEAF = jax.tree.structure(0)
+
+
+def _stacked_on_host(v: PerReplica) -> np.ndarray | None:
+    """A step result's values stacked on a new axis 0, read from its global array with one
+    transfer (instead of one per replica), or ``None`` when that array is not known here."""
+    if v._vshape is None:
+        return None
+    (g,) = v._global[1]
+    if isinstance(g, jax.Array) and not g.is_fully_addressable:
+        return None
+    return np.asarray(g).reshape((v._n,) + v._vshape)
 
 
 def reduce(op: str, value: Any, axis: int | None = None) -> Any:
@@ -91,6 +143,9 @@ def reduce(op: str, value: Any, axis: int | None = None) -> Any:
 
     def one(v):
         if isinstance(v, PerReplica):
+            stacked = _stacked_on_host(v)
+            if stacked is not None:
+                return red(*stacked)
             return jax.tree.map(red, *v.values)
         if axis is None:
             return v

@@ -38,6 +38,7 @@ log = logging.getLogger("runtime")
 _tree_flatten = jax.tree_util.tree_flatten
 #: a (1,) shard -> its scalar, through jit's C++ dispatch (an eager reshape costs ~3x)
 _to_scalar = jax.jit(lambda x: x.reshape(()))
+_LEAF = jax.tree.structure(0)
 
 
 @dataclass(frozen=True)
@@ -313,19 +314,29 @@ class Replicated:
         return out
 
     def _split(self, arr: jax.Array, rank: int) -> PerReplica:
-        by_dev = {s.device: s.data for s in arr.addressable_shards}
-        vals = [by_dev[self._replica_devices[r]] for r in self._local_replicas]
-        if rank == 0:
-            vals = [_to_scalar(v) for v in vals]
-        return PerReplica(vals)
+        """A varying output (the replicas' values concatenated on axis 0, or stacked when
+        scalar) as a deferred ``PerReplica``: the split into one array per local replica
+        (and a reshape dispatch per scalar) happens when ``.values`` is first read."""
+        local, devices = self._local_replicas, self._replica_devices
+
+        def values() -> list:
+            by_dev = {s.device: s.data for s in arr.addressable_shards}
+            vals = [by_dev[devices[r]] for r in local]
+            return [_to_scalar(v) for v in vals] if rank == 0 else vals
+        vshape = () if rank == 0 else (arr.shape[0] // self.num_replicas,) + tuple(arr.shape[1:])
+        return PerReplica.deferred(len(local), values, (arr,), stacked=(arr, vshape))
 
     def _sig(self, pr: PerReplica, index: int) -> tuple:
         n = len(self._local_replicas)
-        if len(pr.values) != n:
+        if len(pr) != n:
             where = (f"on {n} replicas" if self._process_count == 1 else
                      f"{n} replicas in this process (of {self.num_replicas} in all)")
             raise ValueError(f"PerReplica argument (leaf {index} of the arguments) has "
-                             f"{len(pr.values)} values but the step runs {where}")
+                             f"{len(pr)} values but the step runs {where}")
+        if pr._values is None and pr._vshape is not None:
+            # a step's result not yet split: every value has its global array's dtype
+            g = pr._global[1][0]
+            return ("per_replica", _LEAF, ((pr._vshape, g.dtype, bool(g.weak_type)),))
         leaves0, td0 = jax.tree.flatten(pr.values[0])
         sig0 = tuple(leaf_sig(x) for x in leaves0)
         for r in range(1, n):
