@@ -283,20 +283,27 @@ class Replicated:
         return prog.out_treedef.unflatten(res)
 
     def _global_inputs(self, pr: PerReplica, lay) -> list:
+        """The global arrays (replicas concatenated on axis 0) of a per-replica argument.
+        Host data stays on the host: the executable's C++ dispatch transfers it with the
+        program's own input sharding, which costs less than a ``jax.device_put`` first
+        (183 -> ~40 us for two 256 KiB leaves on 4 CPU devices)."""
         inner_treedef, ranks = lay
-        if pr._global is not None and pr._global[0] == inner_treedef and (
-                self._process_count == 1 or all(
-                    isinstance(g, jax.Array) and g.sharding == self._varying_sharding
-                    for g in pr._global[1])):
-            return jax.device_put(list(pr._global[1]), self._varying_sharding)
+        if pr._global is not None and pr._global[0] == inner_treedef:
+            glob = pr._global[1]
+            if all(isinstance(g, jax.Array) and g.sharding == self._varying_sharding
+                   for g in glob):
+                return list(glob)
+            if self._process_count == 1:
+                if not any(isinstance(g, jax.Array) for g in glob):
+                    return list(glob)
+                return jax.device_put(list(glob), self._varying_sharding)
         n = self.num_replicas
         per = [jax.tree.leaves(v) for v in pr.values]
         if self._process_count == 1 and not any(isinstance(x, jax.Array) for p in per for x in p):
-            # Host values: one concatenated buffer per leaf and one transfer for all of
-            # them (N per-device transfers and an assemble cost ~1.7x as much).
-            glob = [np.concatenate([np.reshape(p[j], (1,)) if rank == 0 else np.asarray(p[j])
+            # Host values: one concatenated buffer per leaf, transferred by the call
+            # (N per-device transfers and an assemble cost ~1.7x as much).
+            return [np.concatenate([np.reshape(p[j], (1,)) if rank == 0 else np.asarray(p[j])
                                     for p in per]) for j, rank in enumerate(ranks)]
-            return jax.device_put(glob, self._varying_sharding)
         out = []
         for j, rank in enumerate(ranks):
             vals, devs = [], []
