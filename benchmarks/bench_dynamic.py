@@ -1,34 +1,39 @@
-"""Dynamic shapes benchmark (issue 4).
+"""Dynamic shapes benchmark (issue 4): padding to buckets vs ``jax.jit``.
 
-1. 200 calls with random per-replica batch sizes in [1, 1024]: total time of a dynamic
-   ``replicate`` step (pow2 and auto buckets, compiles included) vs ``jax.jit`` on the
-   exact shapes (one jit call per replica's real data; compiles per distinct size).
-2. Per-call time at one fixed bucket: the dynamic step vs the static ``replicate`` step on
-   the padded shape and vs ``jax.jit`` of the padded computation (vmap over replicas).
-3. Padding waste (padded rows / bucket rows) and compile count of pow2 vs auto.
+1. ``--calls`` calls with random per-replica batch sizes in [1, 1024]: total time of a
+   dynamic ``replicate`` step (pow2 and auto buckets, compiles included) vs ``jax.jit``
+   on the exact shapes (one jit call per replica's real data; a compile per distinct size).
+2. Per-call time at one fixed bucket (interleaved, medians): the dynamic step, fed the
+   replicas' unpadded host arrays, vs a hand-written ``jax.jit(shard_map)`` data-parallel
+   step on the padded shape, fed the padded host arrays (target <= 1.1x). Both are
+   waited for with ``jax.block_until_ready`` on what they return. Also shown: the same
+   when every per-replica result is read (``.values``: one array per replica), and our
+   static ``replicate`` on the padded shape.
+3. Padding waste (padded rows / bucket rows) and compile count of pow2 vs auto over the
+   sizes of 1.
 
-    .venv/bin/python benchmarks/bench_dynamic.py [--calls 200] [--replicas 4]
+    .venv/bin/python benchmarks/bench_dynamic.py [--calls 200] [--replicas 4] [--reps 300]
+
+On an accelerator set ``JAX_PLATFORMS`` (e.g. ``cuda``) and ``--replicas`` to at most the
+number of devices.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import time
+import _common  # noqa: F401  (sets XLA_FLAGS and sys.path before JAX is imported)
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import runtime as rt  # noqa: E402
 from runtime.dynamic import make_bucketer  # noqa: E402
 
 D = 32
+BUCKET = 512
+TARGET = 1.1
 
 
 def step_fn(w, x, y):
@@ -37,33 +42,26 @@ def step_fn(w, x, y):
     return jax.grad(loss)(w), loss(w)
 
 
-def _leaves(out):
+def _values(out):
+    """Every per-replica value of a result (reads ``PerReplica.values``)."""
     res = []
     for v in jax.tree.leaves(out, is_leaf=lambda v: isinstance(v, rt.PerReplica)):
         res.extend(v.values if isinstance(v, rt.PerReplica) else [v])
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--replicas", type=int, default=4)
-    a = ap.parse_args()
-    n, calls = a.replicas, a.calls
-    rng = np.random.default_rng(0)
+def random_sizes(rng, calls: int, n: int) -> None:
     w = rng.normal(size=(D, D)).astype(np.float32) * 0.1
     sizes = rng.integers(1, 1025, size=(calls, n))
     data = [([rng.normal(size=(s, D)).astype(np.float32) for s in row],
              [rng.normal(size=(s, D)).astype(np.float32) for s in row]) for row in sizes]
-
-    # 1. total time, random sizes
     results = {}
     for bucketing in ("pow2", "auto"):
         step = rt.replicate(step_fn, num_replicas=n, options=rt.RunOptions(
             dynamic_shapes=True, bucketing=bucketing, max_compiles_warning=None))
         t0 = time.perf_counter()
         for xs, ys in data:
-            jax.block_until_ready(_leaves(step(w, rt.PerReplica(xs), rt.PerReplica(ys))))
+            jax.block_until_ready(step(w, rt.PerReplica(xs), rt.PerReplica(ys)))
         results[bucketing] = (time.perf_counter() - t0, step.cache_info().misses)
     jitted = jax.jit(step_fn)
     t0 = time.perf_counter()
@@ -71,56 +69,12 @@ def main() -> None:
         jax.block_until_ready([jitted(w, x, y) for x, y in zip(xs, ys)])
     t_exact = time.perf_counter() - t0
     distinct = len(set(sizes.ravel().tolist()))
-    print(f"[1] {calls} calls x {n} replicas, random sizes in [1,1024]:")
+    print(f"[1] {calls} calls x {n} replicas, random sizes in [1,1024], compiles included:")
     for b, (t, c) in results.items():
-        print(f"    dynamic replicate, {b:4s} buckets: {t:7.2f} s  ({c} compiles)")
+        print(f"    dynamic replicate, {b:4s} buckets: {t:7.2f} s  ({c} compiles)  "
+              f"ratio to jax.jit {t / t_exact:.3f}x")
     print(f"    jax.jit on exact shapes        : {t_exact:7.2f} s  ({distinct} distinct shapes)")
 
-    # 2. fixed bucket per-call time
-    bucket = 512
-    fixed = [rng.integers(bucket // 2 + 1, bucket + 1) for _ in range(n)]
-    xs = [rng.normal(size=(s, D)).astype(np.float32) for s in fixed]
-    ys = [rng.normal(size=(s, D)).astype(np.float32) for s in fixed]
-    pad = lambda v: np.pad(v, ((0, bucket - v.shape[0]), (0, 0)))  # noqa: E731
-    dyn = rt.replicate(step_fn, num_replicas=n, options=rt.RunOptions(dynamic_shapes=True))
-    static = rt.replicate(step_fn, num_replicas=n)
-    xs_p, ys_p = [pad(v) for v in xs], [pad(v) for v in ys]
-    vm = jax.jit(jax.vmap(step_fn, in_axes=(None, 0, 0)))
-    X, Y = np.stack(xs_p), np.stack(ys_p)
-
-    def timeit(f, reps=200):
-        for _ in range(5):
-            jax.block_until_ready(_leaves(f()))
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            jax.block_until_ready(_leaves(f()))
-        return (time.perf_counter() - t0) / reps * 1e6
-    t_dyn = timeit(lambda: dyn(w, rt.PerReplica(xs), rt.PerReplica(ys)))
-    t_static = timeit(lambda: static(w, rt.PerReplica(xs_p), rt.PerReplica(ys_p)))
-    t_vmap = timeit(lambda: vm(w, X, Y))
-    # like for like: hand-written data parallelism over the same n devices on the padded
-    # shape (gradient mean over replicas), fed the same host arrays every call
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    mesh = Mesh(np.asarray(jax.devices()[:n]), ("r",))
-
-    def per_replica(w, x, y):
-        g, l = step_fn(w, x, y)
-        return jax.lax.pmean(g, "r"), l[None]
-    dp = jax.jit(jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("r"), P("r")),
-                               out_specs=(P(), P("r"))),
-                 in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("r")),
-                               NamedSharding(mesh, P("r"))))
-    t_dp = timeit(lambda: dp(w, np.concatenate(xs_p), np.concatenate(ys_p)))
-    print(f"[2] fixed bucket {bucket}, sizes {fixed}:")
-    print(f"    dynamic replicate (pads + masks + unpads): {t_dyn:8.1f} us/call")
-    print(f"    static replicate on the padded shape     : {t_static:8.1f} us/call  "
-          f"(ratio {t_dyn / t_static:.2f}x)")
-    print(f"    jax.jit(shard_map) data parallel, padded : {t_dp:8.1f} us/call  "
-          f"(ratio {t_dyn / t_dp:.2f}x, target <= 1.1x)")
-    print(f"    jax.jit(vmap) on one device, padded      : {t_vmap:8.1f} us/call  "
-          f"(ratio {t_dyn / t_vmap:.2f}x; not like for like: one device)")
-
-    # 3. waste and compiles
     print("[3] padding waste over the same sizes (per call: max over replicas -> bucket):")
     for b in ("pow2", "auto"):
         f = make_bucketer(b)
@@ -134,6 +88,81 @@ def main() -> None:
         print(f"    {b:4s}: {len(made):3d} buckets, {100 * (1 - real / padded):5.1f}% of rows are "
               f"padding (of which {100 * (1 - int(sizes.max(1).sum()) * n / padded):4.1f}% "
               f"from bucket rounding)")
+
+
+def fixed_bucket(rng, n: int, reps: int) -> None:
+    w = rng.normal(size=(D, D)).astype(np.float32) * 0.1
+    fixed = [int(s) for s in rng.integers(BUCKET // 2 + 1, BUCKET + 1, size=n)]
+    xs = [rng.normal(size=(s, D)).astype(np.float32) for s in fixed]
+    ys = [rng.normal(size=(s, D)).astype(np.float32) for s in fixed]
+    pad = lambda v: np.pad(v, ((0, BUCKET - v.shape[0]), (0, 0)))  # noqa: E731
+    xs_p, ys_p = [pad(v) for v in xs], [pad(v) for v in ys]
+    dyn = rt.replicate(step_fn, num_replicas=n, options=rt.RunOptions(dynamic_shapes=True))
+    static = rt.replicate(step_fn, num_replicas=n)
+
+    # hand-written data parallelism over the same n devices on the padded shape (gradient
+    # mean over replicas; each replica's loss is the mean over its padded rows, which is
+    # the reference's cost, not its answer), fed the same host arrays every call
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("r",))
+
+    def per_replica(w, x, y):
+        g, l = step_fn(w, x, y)
+        return jax.lax.pmean(g, "r"), l[None]
+    dp = jax.jit(jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("r"), P("r")),
+                               out_specs=(P(), P("r"))),
+                 in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("r")),
+                               NamedSharding(mesh, P("r"))))
+
+    # the dynamic step is exact: its loss equals jax.jit's on each replica's real rows
+    g, loss = dyn(w, rt.PerReplica(xs), rt.PerReplica(ys))
+    want = [float(jax.jit(step_fn)(w, x, y)[1]) for x, y in zip(xs, ys)]
+    np.testing.assert_allclose([float(v) for v in loss.values], want, rtol=1e-5)
+
+    def timed(f):
+        def run():
+            t0 = time.perf_counter()
+            f()
+            return time.perf_counter() - t0
+        return run
+    fns = {
+        "dyn": timed(lambda: jax.block_until_ready(dyn(w, rt.PerReplica(xs), rt.PerReplica(ys)))),
+        "dyn+values": timed(lambda: jax.block_until_ready(
+            _values(dyn(w, rt.PerReplica(xs), rt.PerReplica(ys))))),
+        "static": timed(lambda: jax.block_until_ready(
+            static(w, rt.PerReplica(xs_p), rt.PerReplica(ys_p)))),
+        "dp": timed(lambda: jax.block_until_ready(
+            dp(w, np.concatenate(xs_p), np.concatenate(ys_p)))),
+    }
+    for f in fns.values():  # warm up: compile everything first
+        for _ in range(5):
+            f()
+    t = _common.interleaved(fns, reps)
+    print(f"[2] fixed bucket {BUCKET}, {n} replicas with real sizes {fixed}, host inputs:")
+    _common.report("dynamic step vs jax.jit(shard_map) data parallel on the padded shape",
+                   t["dyn"], t["dp"], TARGET, ours_name="dynamic replicate",
+                   ref_name="jax.jit (padded)", ratio_name="dynamic/jax.jit")
+    _common.report("same, reading every per-replica result (.values)", t["dyn+values"], t["dp"],
+                   None, ours_name="dynamic + .values", ref_name="jax.jit (padded)",
+                   ratio_name="dynamic+values/jax.jit")
+    _common.report("dynamic step vs our static replicate on the padded shape", t["dyn"],
+                   t["static"], None, ours_name="dynamic replicate",
+                   ref_name="static replicate", ratio_name="dynamic/static")
+
+
+def main() -> None:
+    ap = _common.parser(__doc__, reps=300)
+    ap.add_argument("--calls", type=int, default=200, help="calls in part 1 (default 200)")
+    ap.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
+    a = ap.parse_args()
+    n = a.replicas
+    if n > len(jax.devices()):
+        raise SystemExit(f"--replicas {n} needs {n} devices; this backend has "
+                         f"{len(jax.devices())} ({jax.devices()[0].platform})")
+    print(f"backend: {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
+          f"jax {jax.__version__}")
+    rng = np.random.default_rng(0)
+    fixed_bucket(rng, n, a.reps)
+    random_sizes(rng, a.calls, n)
 
 
 if __name__ == "__main__":

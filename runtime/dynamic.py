@@ -46,6 +46,7 @@ from compiler.trace import LeafSpec, trace_replica_fn
 from ir.graph import Graph, Value
 from ir.types import Replica, SymDim, TensorType
 from runtime.per_replica import PerReplica
+from runtime.replicate import leaf_sig
 
 log = logging.getLogger("runtime")
 
@@ -164,6 +165,7 @@ class DynamicPath:
         check_options(self.options)
         self.bucket = make_bucketer(self.options.bucketing)
         self.traces: dict[Any, Any] = {}
+        self.ready: dict[Any, _Ready] = {}  # exact input signature -> planned call
         self.lock = threading.Lock()
         self.warned = False
 
@@ -254,45 +256,58 @@ class DynamicPath:
         return leaves, treedef, per_leaf, syms, sizes, buckets, bounds
 
     def call(self, args: tuple) -> Any:
+        """Run the step: a call whose exact input signature was seen before goes straight
+        to its program (no re-validation, re-bucketing or key building); a new one is
+        planned, validated and bucketed first (:meth:`prepare`)."""
+        leaves, treedef = _tree_flatten(args, _is_pr)
+        try:
+            sig = (treedef, tuple(leaf_sig(x) if type(x) is not PerReplica else
+                                  tuple(_value_sig(v) for v in x.values) for x in leaves))
+            ready = self.ready.get(sig)
+        except TypeError:  # an unhashable leaf: plan every call
+            sig = ready = None
+        if ready is None:
+            ready = self.prepare(args)
+            if sig is not None:
+                if len(self.ready) >= READY_MEMO_SIZE:
+                    self.ready.pop(next(iter(self.ready)), None)
+                self.ready[sig] = ready
+        else:
+            self.rep._cache.count_hit()
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s: dynamic sizes %s -> bucket %s", self.rep.__name__,
+                     [dict(s) for s in ready.sizes], ready.buckets)
+        return self.run(ready, leaves)
+
+    def prepare(self, args: tuple) -> _Ready:
+        """Plan a call with a new input signature: validate it, choose the buckets, and
+        fetch (or build and compile) the program of those buckets."""
         leaves, treedef, per_leaf, syms, sizes, buckets, bounds = self.plan(args)
-        rep = self.rep
-        n = rep.num_replicas
-        # flat inputs of the program: the real sizes (one (N,) vector per symbol), then each
-        # leaf; a per-replica numpy leaf is padded straight into one global host buffer
-        flat: list = [np.asarray([s[k] for s in sizes], np.int32) for k in syms]
-        key_sigs = []
+        pads, key_sigs = [], []
         for x, info in zip(leaves, per_leaf):
             if info is None:
-                flat.append(x)
-                key_sigs.append(_leaf_sig(x))
+                pads.append(None)
+                key_sigs.append(leaf_sig(x))
                 continue
             td, inner = info
-            sig = []
+            leaf_pads, sig = [], []
             for arrs, axes in inner:
                 a0 = arrs[0]
                 shape = tuple(buckets[axes[k]] if k in axes else d for k, d in enumerate(a0.shape))
-                if all(isinstance(a, np.ndarray) for a in arrs):
-                    buf = np.zeros((n,) + shape, a0.dtype)
-                    for r, a in enumerate(arrs):
-                        buf[(r,) + tuple(slice(0, d) for d in a.shape)] = a
-                    flat.append(buf.reshape((n * shape[0],) + shape[1:]) if shape else buf)
-                else:
-                    pr = PerReplica([_pad(a, {ax: buckets[s] for ax, s in axes.items()})
-                                     for a in arrs])
-                    flat.extend(rep._global_inputs(pr, (_ONE, (len(shape),))))
+                leaf_pads.append((shape, a0.dtype, {ax: buckets[s] for ax, s in axes.items()}))
                 sig.append((shape, a0.dtype, False, tuple(sorted(axes.items()))))
+            pads.append((td, tuple(leaf_pads)))
             key_sigs.append(("per_replica", td, tuple(sig)))
         key = ("dynamic", treedef, tuple(key_sigs), tuple(sorted(bounds.items())))
-        cache = rep._cache
+        cache = self.rep._cache
         prog = cache.get(key)
         if prog is None:
             prog = cache.get_or_build(key, lambda: self.build(leaves, treedef, per_leaf, syms,
                                                               buckets, bounds, key).compile())
             self._maybe_warn()
-        if log.isEnabledFor(logging.INFO):
-            log.info("%s: dynamic sizes %s -> bucket %s", rep.__name__,
-                     [dict(s) for s in sizes], buckets)
-        return self.run(prog, flat, sizes)
+        # the real sizes, one (N,) int32 vector per symbol: the program's first inputs
+        size_inputs = tuple(np.asarray([s[k] for s in sizes], np.int32) for k in syms)
+        return _Ready(prog, tuple(sizes), size_inputs, tuple(pads), buckets)
 
     def lower(self, args: tuple) -> Any:
         """The program (not compiled) for these arguments' buckets."""
@@ -314,7 +329,7 @@ class DynamicPath:
         """One trace per symbolic signature: (graph, in_layout, specs, out treedef)."""
         rep = self.rep
         skey = (treedef, tuple(sorted(bounds.items())), tuple(
-            ("m", _leaf_sig(x)) if info is None else
+            ("m", leaf_sig(x)) if info is None else
             ("p", info[0], tuple((tuple(axes.get(k, d) for k, d in enumerate(a[0].shape)),
                                   a[0].dtype) for a, axes in info[1]))
             for x, info in zip(leaves, per_leaf)))
@@ -327,7 +342,7 @@ class DynamicPath:
         in_layout: list = []
         for x, info in zip(leaves, per_leaf):
             if info is None:
-                s = _leaf_sig(x)
+                s = leaf_sig(x)
                 in_layout.append(None)
                 specs.append(LeafSpec(tuple(s[0]), s[1], s[2], False))
                 continue
@@ -400,8 +415,25 @@ class DynamicPath:
                             for v in graph.outputs]
         return prog
 
-    def run(self, prog: Any, flat: list, sizes: list[dict[str, int]]) -> Any:
-        rep = self.rep
+    def run(self, ready: _Ready, leaves: list) -> Any:
+        """Pad the inputs to the buckets, run the program, and return the outputs with
+        every padded axis sliced back to each replica's real size (deferred)."""
+        rep, prog, n = self.rep, ready.prog, self.rep.num_replicas
+        flat = list(ready.size_inputs)
+        for x, pad in zip(leaves, ready.pads):
+            if pad is None:
+                flat.append(x)
+                continue
+            td, leaf_pads = pad
+            per = x.values if td == _ONE else [td.flatten_up_to(v) for v in x.values]
+            for j, (shape, dtype, to) in enumerate(leaf_pads):
+                arrs = per if td == _ONE else [p[j] for p in per]
+                if all(type(a) is np.ndarray for a in arrs):
+                    flat.append(_pad_host(arrs, shape, dtype, n))
+                else:  # device arrays: pad each on its device, then assemble
+                    arrs = [a if isinstance(a, jax.Array) else np.asarray(a) for a in arrs]
+                    flat.extend(rep._global_inputs(PerReplica([_pad(a, to) for a in arrs]),
+                                                   (_ONE, (len(shape),))))
         try:
             outs = prog.call(*flat)
         except ValueError as e:
@@ -412,19 +444,65 @@ class DynamicPath:
         for o, v, r, pad in zip(outs, prog.out_varying, prog.out_ranks, prog.dyn_out_pad):
             if not pad:
                 res.append(rep._split(o, r) if v else o)
-                continue
-            vals = rep._split(o, r).values if v else [o] * len(sizes)
-            res.append(PerReplica([x[tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
-                                           for a in range(r))] for i, x in enumerate(vals)]))
+            else:
+                res.append(_unpadded(rep, o, v, r, pad, ready.sizes))
         return prog.out_treedef.unflatten(res)
 
 
+#: the exact input signatures a ``DynamicPath`` remembers the plan of (oldest dropped first)
+READY_MEMO_SIZE = 4096
+_tree_flatten = jax.tree_util.tree_flatten
+
+
+class _Ready:
+    """A planned call for one exact input signature: the program of its buckets, each
+    replica's real sizes (and as the program's ``s32`` size inputs), the buckets, and per
+    argument leaf ``None`` (mirrored) or ``(inner treedef, ((padded shape, dtype,
+    {axis: bucket}), ...))``."""
+
+    __slots__ = ("prog", "sizes", "size_inputs", "pads", "buckets")
+
+    def __init__(self, prog: Any, sizes: tuple, size_inputs: tuple, pads: tuple,
+                 buckets: dict) -> None:
+        self.prog, self.sizes, self.size_inputs = prog, sizes, size_inputs
+        self.pads, self.buckets = pads, buckets
+
+
+def _value_sig(v: Any) -> tuple:
+    """What the plan of a per-replica value depends on: its structure, shapes and dtypes."""
+    if isinstance(v, (np.ndarray, jax.Array)):
+        return (v.shape, v.dtype)
+    leaves, td = _tree_flatten(v)
+    return (td,) + tuple((np.shape(a), getattr(a, "dtype", type(a))) for a in leaves)
+
+
+def _pad_host(arrs: list, shape: tuple, dtype: Any, n: int) -> np.ndarray:
+    """The replicas' host arrays zero-padded to ``shape`` in one global buffer
+    (``[n * shape[0], ...]``, or ``[n]`` for scalars); only the padding is zeroed."""
+    buf = np.empty((n,) + shape, dtype)
+    for r, a in enumerate(arrs):
+        if a.shape == shape:
+            buf[r] = a
+        elif a.shape[1:] == shape[1:]:  # only axis 0 is short
+            buf[r, :a.shape[0]] = a
+            buf[r, a.shape[0]:] = 0
+        else:
+            buf[r] = 0
+            buf[(r,) + tuple(slice(0, d) for d in a.shape)] = a
+    return buf.reshape((n * shape[0],) + shape[1:]) if shape else buf
+
+
+def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tuple) -> PerReplica:
+    """An output with padded axes (``pad``: axis -> symbol) as a deferred ``PerReplica``
+    of each replica's value sliced back to its real sizes."""
+    def values() -> list:
+        vals = rep._split(out, rank).values if varying else [out] * len(sizes)
+        return [x[tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
+                        for a in range(rank))] for i, x in enumerate(vals)]
+    return PerReplica.deferred(len(sizes), values, (out,))
+
+
 _ONE = jax.tree.structure(0)
-
-
-def _leaf_sig(x: Any) -> tuple:
-    from runtime.replicate import leaf_sig
-    return leaf_sig(x)
 
 
 def _pad(a: Any, to: dict[int, int]) -> Any:

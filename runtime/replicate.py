@@ -486,6 +486,8 @@ class Replicated:
         """Drop every compiled program (the fast path's too) and reset the counts."""
         self._cache.clear()
         self._fast.clear()
+        if self._dynamic is not None:
+            self._dynamic.ready.clear()
 
     def ir(self, *args: Any, after: str | None = None) -> Graph:
         """Shortcut for ``self.lower(*args).ir(after)``."""

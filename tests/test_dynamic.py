@@ -217,3 +217,118 @@ def test_mismatched_sizes_within_a_replica():
     with pytest.raises(ValueError, match=r"replica 1 has size 4 .*has 3"):
         step(rt.PerReplica([np.ones(3, np.float32)] * 2),
              rt.PerReplica([np.ones(3, np.float32), np.ones(4, np.float32)]))
+
+
+def _count_plans(monkeypatch, step):
+    """Count how often the dynamic path validates and buckets a call (its slow part)."""
+    calls = []
+    plan = step._dynamic.plan
+    monkeypatch.setattr(step._dynamic, "plan", lambda args: (calls.append(1), plan(args))[1])
+    return calls
+
+
+def _mlp_step(w, x, y):
+    loss = lambda w: jnp.mean((jnp.tanh(x @ w) - y) ** 2)  # noqa: E731
+    return jax.grad(loss)(w), loss(w)
+
+
+def _check_mlp(out, w, xs, ys):
+    """Loss per replica from jax.jit on its real rows; gradient the replicas' mean."""
+    g, loss = out
+    want = [jax.jit(_mlp_step)(w, x, y) for x, y in zip(xs, ys)]
+    np.testing.assert_allclose(np.mean([np.asarray(v[0]) for v in want], 0), g, rtol=1e-5, atol=1e-6)
+    for r, v in enumerate(want):
+        np.testing.assert_allclose(float(loss.values[r]), float(v[1]), rtol=1e-5)
+
+
+def test_a_repeated_signature_is_planned_once(monkeypatch):
+    """A call whose shapes were seen before skips validation and bucketing and counts a
+    hit; its new data still goes in (nothing is frozen but the shapes)."""
+    step = rt.replicate(_mlp_step, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
+    plans = _count_plans(monkeypatch, step)
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+    for i in range(3):
+        xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in (5, 7, 2, 8)]
+        ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (5, 7, 2, 8)]
+        _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
+    assert len(plans) == 1
+    assert step.cache_info()[:3] == (2, 1, 1)
+    # new sizes in the same bucket: planned again, same program
+    xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in (3, 8, 8, 1)]
+    ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (3, 8, 8, 1)]
+    _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
+    assert len(plans) == 2 and step.cache_info()[:3] == (3, 1, 1)
+    # the same shapes as device arrays: the same plan, padded on the devices
+    _check_mlp(step(w, rt.PerReplica([jnp.asarray(x) for x in xs]), rt.PerReplica(ys)), w, xs, ys)
+    assert len(plans) == 2
+
+
+def test_cache_clear_forgets_planned_calls():
+    step = rt.replicate(lambda x: jnp.sum(x, 0), num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    xs = [np.ones((3, 2), np.float32), np.full((5, 2), 2, np.float32)]
+    step(rt.PerReplica(xs))
+    step.cache_clear()
+    assert not step._dynamic.ready
+    out = step(rt.PerReplica(xs))
+    assert step.cache_info()[:3] == (0, 1, 1)
+    np.testing.assert_allclose(out.values[1], [10.0, 10.0])
+
+
+def test_planned_calls_are_bounded(monkeypatch):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "READY_MEMO_SIZE", 2)
+    step = rt.replicate(lambda x: x * 3, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    for n in (1, 2, 3, 4):
+        out = step(rt.PerReplica([np.full((n, 1), n, np.float32)] * 2))
+        np.testing.assert_allclose(out.values[0], np.full((n, 1), 3 * n))
+    assert len(step._dynamic.ready) == 2
+    assert step.cache_info().misses == 3  # buckets 1, 2, 4
+
+
+def test_padded_outputs_are_deferred():
+    step = rt.replicate(lambda x: jnp.cumsum(x, 0), num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    xs = [np.arange(3, dtype=np.float32), np.arange(6, dtype=np.float32)]
+    out = jax.block_until_ready(step(rt.PerReplica(xs)))
+    assert out._values is None  # nothing sliced until read
+    for r, x in enumerate(xs):
+        np.testing.assert_allclose(out.values[r], np.cumsum(x))
+    np.testing.assert_allclose(rt.reduce("sum", out, axis=0), np.cumsum(xs[0]).sum() + np.cumsum(xs[1]).sum())
+
+
+def _nan_padded(arrs, shape, dtype, n):
+    """``_pad_host`` with NaN (or -1) in the padding instead of zeros."""
+    buf = np.full((n,) + shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype)
+    for r, a in enumerate(arrs):
+        buf[(r,) + tuple(slice(0, d) for d in a.shape)] = a
+    return buf.reshape((n * shape[0],) + shape[1:]) if shape else buf
+
+
+@pytest.mark.parametrize("name", sorted(FUNCS))
+def test_results_do_not_depend_on_the_padding(monkeypatch, name):
+    """Every padded element is masked where it could reach a result: NaN padding (as a
+    device buffer padded elsewhere might hold) gives the unpadded answers exactly."""
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    f = FUNCS[name]
+    step = rt.replicate(f, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(11)
+    xs = [rng.normal(size=(n, 16)).astype(np.float32) for n in (5, 7, 3, 8)]
+    out = step(rt.PerReplica(xs))
+    vals = out.values if isinstance(out, rt.PerReplica) else [out] * N
+    for r, x in enumerate(xs):
+        np.testing.assert_allclose(np.asarray(vals[r]), np.asarray(jax.jit(f)(x)),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_does_not_depend_on_the_padding(monkeypatch):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    step = rt.replicate(_mlp_step, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(12)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+    xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in (5, 7, 2, 8)]
+    ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (5, 7, 2, 8)]
+    _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
