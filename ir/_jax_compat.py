@@ -34,6 +34,15 @@ def user_location(eqn: Any) -> tuple[str, int] | None:
     return frame.file_name, frame.start_line
 
 
+def user_location_of_exception(exc: BaseException) -> tuple[str, int] | None:
+    """(file, line) of the innermost user frame (not JAX's, not this project's) in the
+    traceback of ``exc``: where the user's code was when it raised during a trace."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if _siu.is_user_filename(f.filename)]
+    return (frames[-1].filename, frames[-1].lineno) if frames else None
+
+
 def name_stack(eqn: Any) -> str:
     return str(eqn.source_info.name_stack)
 

@@ -51,7 +51,8 @@ def type_of_aval(aval: Any, replica: Replica | None = None) -> TensorType:
         if isinstance(d, (int, np.integer)):
             dims.append(int(d))
         else:  # a symbolic dimension from jax.export.symbolic_shape
-            dims.append(SymDim(sym_dim_name(str(d))))
+            name = sym_dim_name(str(d))
+            dims.append(SymDim(name, expr=None if name == str(d) else str(d)))
     return TensorType(tuple(dims), str(aval.dtype), replica, None, bool(getattr(aval, "weak_type", False)))
 
 

@@ -34,10 +34,15 @@ def long_dtype(short: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class SymDim:
-    """A symbolic dimension such as the batch ``b``, with an optional upper bound."""
+    """A symbolic dimension such as the batch ``b``, with an optional upper bound.
+
+    ``expr`` is JAX's text of a dim computed from symbols (``min(b, 10)``) whose ``name``
+    had to be made an identifier (``min_b_10_``); it is for messages only (not compared,
+    not printed)."""
 
     name: str
     bound: int | None = None
+    expr: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

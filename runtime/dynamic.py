@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 import warnings
 from typing import Any, Callable
@@ -337,7 +338,10 @@ class DynamicPath:
             hit = self.traces.get(skey)
         if hit is not None:
             return hit
-        exprs = dict(zip(syms, jax.export.symbolic_shape(",".join(syms)))) if syms else {}
+        # the bounds are constraints: the trace may then decide ``b <= 10`` (a bound of 8)
+        constraints = tuple(f"{s} <= {bounds[s]}" for s in syms if s in bounds)
+        exprs = dict(zip(syms, jax.export.symbolic_shape(",".join(syms), constraints=constraints))) \
+            if syms else {}
         specs = [LeafSpec((), np.dtype(np.int32), False, True) for _ in syms]
         in_layout: list = []
         for x, info in zip(leaves, per_leaf):
@@ -364,9 +368,12 @@ class DynamicPath:
             out_info["treedef"] = out_td
             return out_leaves
 
-        graph, t = trace_replica_fn(flat_fn, specs, rep.num_replicas,
-                                    getattr(rep.fn, "__name__", "step"),
-                                    logical_devices=rep.logical_devices)
+        name = getattr(rep.fn, "__name__", "step")
+        try:
+            graph, t = trace_replica_fn(flat_fn, specs, rep.num_replicas, name,
+                                        logical_devices=rep.logical_devices)
+        except jax.errors.InconclusiveDimensionOperation as e:
+            raise _inconclusive(e, name, syms, bounds) from e
         graph = _with_bounds(graph, bounds)
         res = (graph, t, None, specs, out_info["treedef"])
         with self.lock:
@@ -505,6 +512,23 @@ def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tu
 _ONE = jax.tree.structure(0)
 
 
+def _inconclusive(e: Exception, name: str, syms: tuple, bounds: dict) -> ValueError:
+    """JAX could not decide a comparison of a dynamic size with a number while tracing:
+    say where in the user's code, which dims, and what to do."""
+    from ir import _jax_compat as jc
+    where = jc.user_location_of_exception(e)
+    at = f" at {os.path.basename(where[0])}:{where[1]}" if where else ""
+    first = str(e).strip().splitlines()[0]
+    dims = ", ".join(f"{s}<={bounds[s]}" if s in bounds else s for s in syms)
+    todo = ("keep that axis static (RunOptions(dynamic_dims=...))" if all(s in bounds for s in syms)
+            else "bound it (RunOptions(maximum_shapes=...): the trace then knows the bound) or "
+                 "keep that axis static (RunOptions(dynamic_dims=...))")
+    return ValueError(
+        f"dynamic shapes: tracing {name}{at} with dynamic dims ({dims}) needs a decision the "
+        f"sizes do not settle ({first}); one trace serves every size, so code there must not "
+        f"depend on how a dynamic size compares with a number: {todo}")
+
+
 def _pad(a: Any, to: dict[int, int]) -> Any:
     widths = [(0, to[k] - d) if k in to else (0, 0) for k, d in enumerate(a.shape)]
     if not any(w for _, w in widths):
@@ -523,7 +547,7 @@ def _with_bounds(graph: Graph, bounds: dict[str, int]) -> Graph:
     def t(v: Value) -> Value:
         if v not in env:
             ty = v.type
-            shape = tuple(SymDim(d.name, bounds.get(d.name)) if isinstance(d, SymDim) else d
+            shape = tuple(SymDim(d.name, bounds.get(d.name), d.expr) if isinstance(d, SymDim) else d
                           for d in ty.shape)
             env[v] = (Value(TensorType(shape, ty.dtype, ty.replica, ty.sharding, ty.weak_type))
                       if shape != ty.shape else v)

@@ -167,17 +167,27 @@ def test_golden_ir_dump():
         dynamic_shapes=True, maximum_shapes=[None, (128, None)]))
     w = np.ones((16, 4), np.float32)
     lowered = step.lower(w, rt.PerReplica([np.ones((5, 16), np.float32), np.ones((9, 16), np.float32)]))
-    text = (f"// import\n{lowered.ir(after='import')}\n// padding\n{lowered.ir(after='padding')}\n")
-    text = text.replace(os.path.basename(__file__), "model.py")
+    text = _check_golden("padding_softmax_grad.txt", lowered, ("import", "padding"))
+    assert "f32[b<=128,16] varying" in text and "pad_mask" in text and "dim_value" in text
+
+
+def _check_golden(name: str, lowered, passes) -> str:
+    """The IR after ``passes`` (every one round-trips through the parser), with this
+    file's name and line numbers normalized, equals ``tests/golden/<name>``
+    (``UPDATE_GOLDEN=1`` rewrites it)."""
     import re
+    from irtest import check_roundtrip
+    parts = [f"// {p}\n{check_roundtrip(lowered.ir(after=p))}\n" for p in passes]
+    text = "".join(parts).replace(os.path.basename(__file__), "model.py")
     text = re.sub(r"model\.py:\d+", "model.py:N", text)
-    path = os.path.join(GOLDEN, "padding_softmax_grad.txt")
-    if os.environ.get("UPDATE_GOLDEN") or not os.path.exists(path):
+    path = os.path.join(GOLDEN, name)
+    if os.environ.get("UPDATE_GOLDEN"):
         with open(path, "w") as f:
             f.write(text)
+    assert os.path.exists(path), f"missing golden file {path}: run with UPDATE_GOLDEN=1"
     with open(path) as f:
         assert text == f.read()
-    assert "f32[b<=128,16] varying" in text and "pad_mask" in text and "dim_value" in text
+    return text
 
 
 def test_static_path_untouched():
@@ -332,3 +342,113 @@ def test_gradient_does_not_depend_on_the_padding(monkeypatch):
     xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in (5, 7, 2, 8)]
     ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (5, 7, 2, 8)]
     _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
+
+
+
+# -- indexing into a padded axis: indices behave as against the real size -----------------
+
+INDEX_FUNCS = {
+    "gather_oob_index": lambda x: x[jnp.array([10])],
+    "gather_mixed_indices": lambda x: x[jnp.array([4, 10, -1, 6])],
+    "take_clip": lambda x: jnp.take(x, jnp.array([10, 2]), axis=0, mode="clip"),
+    "take_fill": lambda x: jnp.take(x, jnp.array([6, 1, 4]), axis=0, mode="fill", fill_value=-7.0),
+    "take_fill_static_axis": lambda x: jnp.take(x, jnp.array([6, 1]), axis=1, mode="fill",
+                                                fill_value=-7.0),
+    "last_row": lambda x: x[-1],
+    "dynamic_index_oob": lambda x: jax.lax.dynamic_index_in_dim(x, 10, 0, keepdims=False),
+    "dynamic_index_negative": lambda x: jax.lax.dynamic_index_in_dim(x, -1, 0, keepdims=False),
+    "argmax_row": lambda x: x[jnp.argmax(x[:, 0])],
+    "set_last": lambda x: x.at[-1].set(100.0).sum(0),
+    "set_oob_dropped": lambda x: x.at[6].set(100.0).sum(0),
+    "set_clip": lambda x: x.at[jnp.array([9])].set(100.0, mode="clip").sum(0),
+    "add_clip": lambda x: x.at[jnp.array([9])].add(100.0, mode="clip").sum(0),
+    "dynamic_update_oob": lambda x: jax.lax.dynamic_update_index_in_dim(
+        x, jnp.full((2,), 5.0), 9, 0).sum(0),
+    "segment_sum": lambda x: jax.ops.segment_sum(x, (x[:, 0] > 0).astype(jnp.int32), 2),
+    "bincount": lambda x: jnp.zeros(3).at[(x[:, 0] > 0).astype(jnp.int32)].add(1.0),
+    "embedding": lambda x: jnp.arange(12.0).reshape(6, 2)[(jnp.abs(x[:, 0]) * 3).astype(jnp.int32)],
+}
+
+
+@pytest.mark.parametrize("padding", ["zeros", "nan"])
+@pytest.mark.parametrize("name", sorted(INDEX_FUNCS))
+def test_indexing_a_padded_axis_matches_unpadded(monkeypatch, name, padding):
+    """Out-of-range, negative and traced indices into a padded axis clamp, fill or drop
+    as they would against each replica's real size (sizes 5 and 3, bucket 8), whatever
+    the padding holds."""
+    import runtime.dynamic as dyn
+    if padding == "nan":
+        monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    f = INDEX_FUNCS[name]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(13)
+    xs = [rng.normal(size=(n, 2)).astype(np.float32) for n in (5, 3)]
+    out = step(rt.PerReplica(xs))
+    vals = out.values if isinstance(out, rt.PerReplica) else [out] * 2
+    for v, x in zip(vals, xs):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+
+
+def test_traced_index_into_a_padded_axis():
+    step = rt.replicate(lambda x, i: x[i], num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    xs = [np.arange(10, dtype=np.float32).reshape(5, 2), np.arange(6, dtype=np.float32).reshape(3, 2)]
+    for i in (7, 4, -1, -9):
+        out = step(rt.PerReplica(xs), i)
+        for v, x in zip(out.values, xs):
+            np.testing.assert_allclose(v, jax.jit(lambda x, i: x[i])(x, i))
+    assert step.cache_info().misses == 1
+
+
+def test_golden_pad_index():
+    def f(x, i):
+        return jnp.take(x, jnp.array([6]), axis=0, mode="fill", fill_value=-1.0), x[i]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(8, None)]))
+    lowered = step.lower(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]), 1)
+    text = _check_golden("padding_pad_index.txt", lowered, ("padding",))
+    assert "mode='drop', oob=8" in text and "mode='clip', oob=0" in text
+
+
+def test_scatter_clip_of_padded_rows_is_a_clear_error():
+    f = lambda x: jnp.zeros((3, 2)).at[(x[:, 0] > 0).astype(jnp.int32)].add(x, mode="clip")  # noqa: E731
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(ValueError, match=r"padding: scatter-add in mode 'clip' scatters padded "
+                                         r"update rows \(dim \['b'\]\).*mode='drop' "
+                                         r"\(test_dynamic.py:\d+\)"):
+        step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+
+
+def test_padded_update_onto_real_elements_is_a_clear_error():
+    f = lambda x: jax.lax.dynamic_update_slice_in_dim(jnp.zeros((10, 2)), x, 1, 0)  # noqa: E731
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(8, None)]))
+    with pytest.raises(ValueError, match=r"dynamic_update_slice writes an update of type "
+                                         r"f32\[b<=8,2\] varying whose padded axis 0 \(dim b\) "
+                                         r"lands on axis 0 of f32\[10,2\] mirrored"):
+        step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+
+
+def test_undecidable_size_comparison_names_the_line_and_dims():
+    f = lambda x: jax.lax.dynamic_slice_in_dim(x, 1, 2, 0)  # noqa: E731
+    for ms, dims, hint in [(None, "(b)", "maximum_shapes"), ([(8, None)], "(b<=8)", "dynamic_dims")]:
+        step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+            dynamic_shapes=True, maximum_shapes=ms))
+        with pytest.raises(ValueError, match=rf"tracing <lambda> at test_dynamic.py:\d+ with "
+                                             rf"dynamic dims \{dims[:-1]}\).*'b' >= '2'.*{hint}"):
+            step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+
+
+def test_bound_settles_a_size_comparison():
+    """x[:10] is min(b, 10) rows: unbounded, a clear error naming the expression; with
+    maximum_shapes b <= 8 the trace knows it is b, and the result is exact."""
+    f = lambda x: x[:10].sum(0)  # noqa: E731
+    xs = [np.arange(10, dtype=np.float32).reshape(5, 2), np.ones((3, 2), np.float32)]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(ValueError, match=r"whose dim min\(b, 10\) mixes padded and real"):
+        step(rt.PerReplica(xs))
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(8, None)]))
+    out = step(rt.PerReplica(xs))
+    for v, x in zip(out.values, xs):
+        np.testing.assert_allclose(v, x.sum(0))

@@ -24,8 +24,19 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
 - call-like ops (``pjit``, ``custom_jvp_call``...) holding padded values are inlined.
 - values computed from the real sizes are ``varying``.
 
-Padding is at the end of each padded axis, so gathers by index (indices < the real size),
-slices that keep the whole axis, and cumulative ops are exact as they are.
+- ``pad_index(%i, %n) {component, size, mode, oob}`` rewrites an index into a padded axis
+  so that it behaves as it would against the real size ``n`` (rules in ``INDEX_RULES``):
+  ``gather`` (modes ``clip``/``promise_in_bounds`` clamp to ``[0, n - size]``; ``fill``
+  sends an index out of the real range out of the bucket too, so XLA fills),
+  ``dynamic_slice``/``dynamic_update_slice`` starts (clamped like XLA clamps them), and
+  the ``scatter`` family (``clip`` clamps; otherwise an index out of the real range is
+  sent past the bucket, so XLA drops the update as it would unpadded). Scatter update
+  rows that are padding are dropped the same way (their indices masked past the bucket;
+  an error in ``clip`` mode, which cannot drop); an update whose padded axis would land on
+  real positions is an error.
+
+Padding is at the end of each padded axis, so slices that keep the whole axis and
+cumulative ops are exact as they are.
 """
 from __future__ import annotations
 
@@ -61,12 +72,16 @@ DENY = frozenset({"reduce_window", "reduce_window_sum", "reduce_window_max", "re
                   "conv_general_dilated", "select_and_scatter_add", "select_and_gather_add",
                   "all_gather", "all_to_all", "all_reduce", "fft", "scan", "while", "cond",
                   "reduce", "reduce_precision_window", "psum_scatter", "ppermute"})
+#: the scatter family: a combiner region (scalar, not a loop) and ``ScatterDimensionNumbers``
+SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+                      "scatter-max"})
+#: ops that index into an axis of their first operand (``pad_index`` on padded ones)
+INDEX_RULES = frozenset({"gather", "dynamic_slice", "dynamic_update_slice"}) | SCATTERS
 #: ops whose operands' axes move; checked only for dim expressions in the result
 STRUCTURAL = frozenset({"broadcast_in_dim", "transpose", "squeeze", "expand_dims", "gather",
                         "dynamic_slice", "slice", "dot_general", "sort", "top_k", "iota",
-                        "concatenate", "pad", "split", "dynamic_update_slice", "scatter",
-                        "scatter-add", "scatter_add", "scatter_mul", "scatter_min", "scatter_max",
-                        "select_n", "clamp", "argsort", "squeeze"} | set(REDUCE_RULES))
+                        "concatenate", "pad", "split", "select_n", "clamp", "argsort", "squeeze"} | set(REDUCE_RULES)
+                       | INDEX_RULES)
 
 
 def _loc(op: Op) -> str:
@@ -133,7 +148,8 @@ class _Padder:
             if isinstance(d, SymDim):
                 if d.name not in self.buckets:
                     raise PaddingError(
-                        f"padding: {op.name} has a value of type {t} whose dim {d.name} mixes "
+                        f"padding: {op.name} has a value of type {t} whose dim "
+                        f"{d.expr or d.name} mixes "
                         f"padded and real elements (the padded axis was flattened, concatenated "
                         f"or resized); padding cannot make it exact ({_loc(op)})")
                 out[i] = d.name
@@ -202,7 +218,8 @@ class _Padder:
             self.ops.append(Op("dim_value", tuple(self.sizes[n] for n in names), (res,),
                                (("dim", expr), ("vars", names)), op.loc))
             return
-        if op.regions and (any_pad or any(_region_has_sym(g) for g in op.regions)):
+        if op.regions and op.name not in SCATTERS and (
+                any_pad or any(_region_has_sym(g) for g in op.regions)):
             raise PaddingError(
                 f"padding: {op.name} runs over values with a padded (dynamic) dim; a loop or "
                 f"branch cannot be made exact over padding (for a scan over a padded time axis "
@@ -214,6 +231,9 @@ class _Padder:
                 f"({_loc(op)})")
         if any_pad:
             operands = self.masked(op, pads, operands)
+            if op.name in INDEX_RULES:
+                operands, updates = self.indexed(op, pads, operands)
+                attrs = tuple((k, updates.get(k, v)) for k, v in attrs)
         results = tuple(self.new(r) for r in op.results)
         self.ops.append(op.replace(operands=tuple(operands), results=results, attrs=attrs))
 
@@ -280,11 +300,121 @@ class _Padder:
                                    f"({_loc(op)})")
 
 
+    # -- indexing into padded axes (INDEX_RULES) --------------------------------------------
+    def pad_index(self, idx: Value, component: int, size: int, mode: str, oob: int,
+                  sym: str, op: Op) -> Value:
+        """``idx`` (component ``component`` of its last axis, or the scalar itself when -1)
+        rewritten against the real size of ``sym``: see ``_pad_index``."""
+        t = idx.type
+        out = Value(TensorType(t.shape, t.dtype, Replica.VARYING, t.sharding, t.weak_type))
+        self.ops.append(Op("pad_index", (idx, self.sizes[sym]), (out,),
+                           (("component", component), ("size", size), ("mode", mode),
+                            ("oob", oob)), op.loc))
+        return out
+
+    def indexed(self, op: Op, pads: list[dict[int, str]],
+                operands: list[Value]) -> tuple[list[Value], dict[str, Any]]:
+        """Indices into padded axes of ``op``'s first operand behave as they would against
+        the real sizes; padded scatter update rows are dropped. Returns the new operands
+        and attribute updates."""
+        name, x_pad = op.name, pads[0]
+        bucket = lambda a: self.buckets[x_pad[a]]  # noqa: E731
+        if name == "dynamic_slice" or name == "dynamic_update_slice":
+            first = 1 if name == "dynamic_slice" else 2
+            if name == "dynamic_update_slice":
+                self.check_window(op, op.operands[1].type, pads[1],
+                                  {a: a for a in range(op.operands[1].type.rank)}, x_pad)
+            for a, sym in x_pad.items():
+                size = (op.attr("slice_sizes")[a] if name == "dynamic_slice"
+                        else op.operands[1].type.shape[a])
+                if not isinstance(size, (int, np.integer)):
+                    continue  # the whole padded axis: the start can only be 0
+                i = first + a
+                operands[i] = self.pad_index(operands[i], -1, int(size), "clip", 0, sym, op)
+            return operands, {}
+        dn = _live(op, "dimension_numbers")
+        mode = getattr(_live(op, "mode"), "name", None)
+        if name == "gather":
+            sizes = op.attr("slice_sizes")
+            for j, a in enumerate(dn.start_index_map):
+                if a not in x_pad or not isinstance(sizes[a], (int, np.integer)):
+                    continue
+                kind = self.index_mode(op, mode, a, x_pad[a])
+                operands[1] = self.pad_index(operands[1], j, int(sizes[a]),
+                                             "drop" if kind == "drop" else "clip", bucket(a),
+                                             x_pad[a], op)
+            return operands, {}
+        # scatter family: operand, indices, updates
+        upd_t, idx_t = op.operands[2].type, op.operands[1].type
+        window = [a for a in range(op.operands[0].type.rank)
+                  if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+        size_of = {a: upd_t.shape[d] for a, d in zip(window, dn.update_window_dims)}
+        self.check_window(op, upd_t, pads[2], {d: a for a, d in zip(window, dn.update_window_dims)},
+                          x_pad)
+        for j, a in enumerate(dn.scatter_dims_to_operand_dims):
+            if a not in x_pad or not isinstance(size_of.get(a, 1), (int, np.integer)):
+                continue
+            kind = self.index_mode(op, mode, a, x_pad[a])
+            operands[1] = self.pad_index(operands[1], j, int(size_of.get(a, 1)), kind,
+                                         bucket(a), x_pad[a], op)
+        # update rows that are padding: their indices go past the operand, so XLA drops them
+        rows = {a: sym for a, sym in pads[1].items() if a != idx_t.rank - 1}
+        if rows:
+            if mode == "CLIP":
+                raise PaddingError(
+                    f"padding: {name} in mode 'clip' scatters padded update rows (dim "
+                    f"{sorted(set(rows.values()))}); clip cannot drop them, so they would land "
+                    f"on real elements: use mode='drop' ({_loc(op)})")
+            a0 = dn.scatter_dims_to_operand_dims[0]
+            past = int(operands[0].type.shape[a0])
+            for a, sym in rows.items():
+                operands[1] = self.mask(operands[1], a, sym, str(past), op)
+        return operands, {}
+
+    def index_mode(self, op: Op, mode: str | None, axis: int, sym: str) -> str:
+        """``clip`` or ``drop``: what an out-of-range index into padded ``axis`` does."""
+        if mode in ("CLIP", "PROMISE_IN_BOUNDS") and op.name == "gather":
+            return "clip"  # XLA's gather clamps the start indices
+        if mode == "CLIP":
+            return "clip"
+        if mode in ("FILL_OR_DROP", "PROMISE_IN_BOUNDS"):
+            return "drop"  # gather fills; XLA's scatter skips out-of-bounds updates
+        raise PaddingError(f"padding: {op.name} in mode {mode} indexes padded axis {axis} "
+                           f"(dim {sym}), which padding cannot make exact ({_loc(op)})")
+
+    def check_window(self, op: Op, upd: TensorType, upd_pad: dict[int, str],
+                     to_operand: dict[int, int], x_pad: dict[int, str]) -> None:
+        """An update window's padded axis must land on the same padded axis of the operand
+        (then its padding covers only padding); elsewhere it would overwrite real elements."""
+        for d, sym in upd_pad.items():
+            a = to_operand.get(d)
+            if a is None:
+                continue  # a scatter dim: rows, handled by dropping
+            if x_pad.get(a) != sym:
+                raise PaddingError(
+                    f"padding: {op.name} writes an update of type {upd} whose padded axis {d} "
+                    f"(dim {sym}) lands on axis {a} of {op.operands[0].type}, which is not "
+                    f"padded the same way: its padding would overwrite real elements "
+                    f"({_loc(op)})")
+
+
+def _live(op: Op, key: str) -> Any:
+    """An attribute's live JAX object (``Opaque`` unwrapped); a graph parsed from text
+    does not have it."""
+    v = op.attr(key)
+    if isinstance(v, Opaque):
+        if v.obj is None:
+            raise PaddingError(f"padding: {op.name} attribute {key}=<{v.text}> was parsed from "
+                               f"text; pad a traced graph instead ({_loc(op)})")
+        return v.obj
+    return v
+
+
 # -- lowering of the ops this pass adds --------------------------------------------------
 
 def _fill(kind: str, dtype: Any) -> Any:
     dtype = np.dtype(dtype)
-    if kind in ("0", "1"):
+    if kind.isdigit():  # "0", "1", or an index past the end (pad_mask of scatter indices)
         return np.asarray(int(kind), dtype)
     if dtype == np.bool_:
         return np.asarray(kind == "+inf")
@@ -306,3 +436,20 @@ def _pad_mask(op: Op, args: list[Any]) -> list[Any]:
 def _dim_value(op: Op, args: list[Any]) -> list[Any]:
     env = dict(zip(op.attr("vars"), args))
     return [jax.numpy.asarray(jc.evaluate_dim(op.attr("dim"), env), np.int32)]
+
+
+@rule("pad_index")
+def _pad_index(op: Op, args: list[Any]) -> list[Any]:
+    """Component ``component`` of ``idx``'s last axis (or ``idx`` when -1), an index into a
+    padded axis with a window of ``size``, behaving as against the real size ``n``:
+    ``clip`` clamps it to ``[0, n - size]``; ``drop`` maps one outside that range to
+    ``oob`` (the bucket: out of range of the padded axis too)."""
+    idx, n = args
+    j, size, oob = op.attr("component"), op.attr("size"), op.attr("oob")
+    c = idx if j < 0 else idx[..., j]
+    hi = (n - size).astype(c.dtype)
+    if op.attr("mode") == "clip":
+        new = jax.numpy.maximum(jax.numpy.minimum(c, hi), 0).astype(c.dtype)
+    else:
+        new = jax.numpy.where((c < 0) | (c > hi), jax.numpy.asarray(oob, c.dtype), c)
+    return [new if j < 0 else idx.at[..., j].set(new)]
