@@ -118,7 +118,8 @@ class _Program:
         self.out_ranks = out_ranks
         self.out_varying_any = any(out_varying)
         self.scalar_sigs: tuple = ()  # (index, sig) of rank-0 inputs, for the fast path
-        self.array_weak: tuple = ()   # (index, weak_type) of the other inputs, likewise
+        self.array_weak: tuple = ()   # (index, weak_type) of the other mirrored inputs, likewise
+        self.pr_fast: tuple = ()      # (index, inner treedef, ranks, weak types) of per-replica ones
         self.donated: tuple = ()  # indices of argument leaves donated (deleted after a call)
         self.call = None
 
@@ -208,29 +209,66 @@ class Replicated:
         leaves, treedef = _tree_flatten(args, _is_pr)
         prog = self._fast.get(treedef)
         if prog is not None and self._fast_key_matches(prog, leaves):
-            # Mirrored-only program for this structure: the executable itself checks every
+            # The last program for this structure: the executable itself checks every
             # argument's shape and dtype (a TypeError before anything runs), but not weak
             # types, which _fast_key_matches compares (a weak array must not run a strong
-            # program).
-            try:
-                outs = prog.call(*leaves)
-            except (TypeError, ValueError):  # types or placement differ: the slow path decides
-                pass
-            else:
-                self._cache.count_fast_hit()
-                if prog.donated:
-                    _delete_donated(leaves, prog.donated)
-                return prog.out_treedef.unflatten(outs) if not prog.out_varying_any else \
-                    self._outputs(prog, outs)
+            # program), nor what only the per-replica values show (_fast_inputs).
+            flat = leaves if not prog.pr_fast else self._fast_inputs(prog, leaves)
+            if flat is not None:
+                try:
+                    outs = prog.call(*flat)
+                except (TypeError, ValueError):  # types or placement differ: the slow path decides
+                    pass
+                else:
+                    self._cache.count_fast_hit()
+                    if prog.donated:
+                        _delete_donated(leaves, prog.donated)
+                    return prog.out_treedef.unflatten(outs) if not prog.out_varying_any else \
+                        self._outputs(prog, outs)
         key = self._key_from(leaves, treedef)
         prog = self._cache.get(key)
         if prog is None:
             prog = self._cache.get_or_build(key, lambda: self._build(leaves, treedef, key))
-        if all(lay is None for lay in prog.in_layout):
-            prog.scalar_sigs = tuple((i, s) for i, s in enumerate(key[1]) if s[0] == ())
-            prog.array_weak = tuple((i, s[2]) for i, s in enumerate(key[1]) if s[0] != ())
+        mirrored_only = all(lay is None for lay in prog.in_layout)
+        if mirrored_only or self._process_count == 1:
+            sigs = key[1]
+            prog.scalar_sigs = tuple((i, s) for i, s in enumerate(sigs) if s[0] == ())
+            prog.array_weak = tuple((i, s[2]) for i, s in enumerate(sigs)
+                                    if s[0] != () and s[0] != "per_replica")
+            prog.pr_fast = tuple((i, lay[0], tuple(len(x[0]) for x in s[2]),
+                                  tuple(bool(x[2]) for x in s[2]))
+                                 for i, (s, lay) in enumerate(zip(sigs, prog.in_layout))
+                                 if lay is not None)
             self._fast[treedef] = prog
         return self._run_flat(prog, leaves)
+
+    def _fast_inputs(self, prog: _Program, leaves: list) -> list | None:
+        """The flat inputs of a program with per-replica arguments, when every one of them
+        is a global batch (``distribute``, ``distribute_iterator``, a step's result) with the
+        inner structure, per-replica ranks and weak types the program was built for: such
+        values are uniform across replicas by construction, and the executable checks the
+        global shapes and dtypes. ``None`` sends the call to the slow path (per-replica
+        lists, which it validates replica by replica)."""
+        flat: list = []
+        last = 0
+        for i, td, ranks, weaks in prog.pr_fast:
+            pr = leaves[i]
+            if type(pr) is not PerReplica:  # an array where a PerReplica was: same treedef
+                return None
+            g = pr._global
+            if g is None or g[0] != td or pr._n != self.num_replicas:
+                return None
+            vshape = pr._vshape
+            for a, rank, weak in zip(g[1], ranks, weaks):
+                # a global (n,) holds n scalars or n one-element vectors: the rank decides
+                if (len(vshape) if vshape is not None else np.ndim(a)) != rank or \
+                        bool(getattr(a, "weak_type", False)) != weak:
+                    return None
+            flat.extend(leaves[last:i])
+            flat.extend(self._global_inputs(pr, (td, ranks)))
+            last = i + 1
+        flat.extend(leaves[last:])
+        return flat
 
     @staticmethod
     def _fast_key_matches(prog: _Program, leaves: list) -> bool:

@@ -207,3 +207,108 @@ def test_a_trace_error_is_not_cached():
     state["fail"] = False
     np.testing.assert_allclose(step(np.ones(2, np.float32)), [2.0, 2.0])
     assert step.cache_info().currsize == 1
+
+
+# -- the fast path for per-replica global batches ------------------------------------------
+
+def _count_keys(monkeypatch, step):
+    """Count slow-path key computations (the per-leaf signature the fast path skips)."""
+    calls = []
+    key_from = step._key_from
+    monkeypatch.setattr(step, "_key_from", lambda *a: (calls.append(1), key_from(*a))[1])
+    return calls
+
+
+def _mlp(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w"])
+    loss = jnp.mean((h - batch["y"]) ** 2)
+    return jax.tree.map(lambda p: p * 0.5, params), loss, h
+
+
+def test_distributed_batches_take_the_fast_path(monkeypatch):
+    """A distribute()d batch with the shapes of the cached program skips the key; each
+    call computes what jax.jit computes on each replica's rows."""
+    step = rt.replicate(_mlp, num_replicas=4)
+    keys = _count_keys(monkeypatch, step)
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(3, 2)).astype(np.float32)}
+    for i in range(4):
+        batch = {"x": rng.normal(size=(8, 3)).astype(np.float32),
+                 "y": rng.normal(size=(8, 2)).astype(np.float32)}
+        new, loss, h = step(params, rt.distribute(batch, 4))
+        for r in range(4):
+            part = jax.tree.map(lambda a: a[2 * r:2 * r + 2], batch)
+            want = jax.jit(_mlp)(params, part)
+            np.testing.assert_allclose(float(loss.values[r]), float(want[1]), rtol=1e-6)
+            np.testing.assert_allclose(np.asarray(h.values[r]), np.asarray(want[2]), rtol=1e-6)
+        np.testing.assert_allclose(new["w"], params["w"] * 0.5)
+    assert len(keys) == 1 and step.cache_info()[:3] == (3, 1, 1)
+    # a step's own per-replica result fed back (h): fast too once its program exists
+    again = rt.replicate(lambda h: h * 2, num_replicas=4)
+    again(h)
+    keys2 = _count_keys(monkeypatch, again)
+    out = again(h)
+    assert not keys2 and again.cache_info()[:2] == (1, 1)
+    np.testing.assert_allclose(np.asarray(out.values[1]), np.asarray(h.values[1]) * 2)
+
+
+@pytest.mark.parametrize("second", [
+    pytest.param(lambda: rt.distribute(np.ones((8, 3), np.float32), 4), id="more rows"),
+    pytest.param(lambda: rt.distribute(np.ones((4, 3), np.int32), 4), id="dtype"),
+    pytest.param(lambda: rt.distribute(np.ones((4, 1), np.float32), 4), id="columns"),
+    pytest.param(lambda: rt.distribute({"a": np.ones((4, 3), np.float32)}, 4), id="structure"),
+    pytest.param(lambda: rt.distribute(jnp.ones((4, 3)) * 1.0, 4), id="jax array"),
+    pytest.param(lambda: rt.PerReplica([np.ones((1, 3), np.float32)] * 4), id="hand-made"),
+    pytest.param(lambda: np.ones((1, 3), np.float32), id="mirrored"),
+])
+def test_fast_path_falls_back_when_the_batch_differs(second):
+    """Anything the cached program was not built for takes the slow path and gets its own
+    program (or the same one, when only the way it was made differs)."""
+    def f(x):
+        return jax.tree.map(lambda a: a.sum(0) * 2, x)
+    step = rt.replicate(f, num_replicas=4)
+    step(rt.distribute(np.ones((4, 3), np.float32), 4))
+    arg = second()
+    out = step(arg)
+    is_pr = lambda v: isinstance(v, rt.PerReplica)  # noqa: E731
+    for r in range(4):
+        got = jax.tree.map(lambda o: o.values[r] if is_pr(o) else o, out, is_leaf=is_pr)
+        x = arg.values[r] if is_pr(arg) else arg
+        want = jax.jit(f)(x)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w))
+
+
+def test_fast_path_tells_scalars_from_one_element_vectors():
+    """A global (n,) array holds n scalars or n vectors of one element: the same global
+    shape, so the executable cannot tell; the fast path must."""
+    step = rt.replicate(lambda s: s + jnp.zeros((2,)), num_replicas=4)
+    scal = step(rt.PerReplica([np.float32(r) for r in range(4)]))   # per-replica scalars
+    assert scal.values[0].shape == (2,)
+    vecs = rt.distribute(np.arange(4, dtype=np.float32), 4)  # per-replica (1,): global (4,)
+    assert vecs.values[0].shape == (1,)
+    out = step(vecs)
+    for r in range(4):
+        assert out.values[r].shape == (2,)
+        np.testing.assert_allclose(np.asarray(out.values[r]), [r, r])
+    assert step.cache_info().misses == 2
+    # and the deferred result of a rank-0 output, fed back: scalars again
+    back = step(rt.replicate(lambda s: s * 1, num_replicas=4)(
+        rt.PerReplica([np.float32(r) for r in range(4)])))
+    assert back.values[3].shape == (2,) and step.cache_info().misses == 2
+
+
+def test_fast_path_keeps_weak_types_apart():
+    """A weakly typed batch (from a Python scalar) promotes differently (f32 weak * bf16 is
+    bf16; strong, f32) though the executable sees the same f32 array: not the fast path."""
+    f = lambda x: x * jnp.ones((), jnp.bfloat16)  # noqa: E731
+    step = rt.replicate(f, num_replicas=2)
+    strong = step(rt.distribute(jnp.ones((2, 3), jnp.float32), 2))
+    weak_batch = jnp.broadcast_to(jnp.asarray(1.0), (2, 3))
+    assert weak_batch.weak_type
+    weak = step(rt.distribute(weak_batch, 2))
+    assert strong.values[0].dtype == jnp.float32
+    assert weak.values[0].dtype == jax.jit(f)(weak_batch[:1]).dtype == jnp.bfloat16
+    assert step.cache_info().misses == 2
