@@ -274,7 +274,7 @@ class DynamicPath:
                     self.ready.pop(next(iter(self.ready)), None)
                 self.ready[sig] = ready
         else:
-            self.rep._cache.count_hit()
+            self.rep._cache.count_fast_hit()
         if log.isEnabledFor(logging.INFO):
             log.info("%s: dynamic sizes %s -> bucket %s", self.rep.__name__,
                      [dict(s) for s in ready.sizes], ready.buckets)
@@ -306,8 +306,11 @@ class DynamicPath:
             prog = cache.get_or_build(key, lambda: self.build(leaves, treedef, per_leaf, syms,
                                                               buckets, bounds, key).compile())
             self._maybe_warn()
-        # the real sizes, one (N,) int32 vector per symbol: the program's first inputs
-        size_inputs = tuple(np.asarray([s[k] for s in sizes], np.int32) for k in syms)
+        # the real sizes, one (N,) int32 vector per symbol: the program's first inputs,
+        # constant for this signature, so placed on the devices once (not sent every call)
+        shardings = prog.jax_compiled.input_shardings[0]
+        size_inputs = tuple(jax.device_put(np.asarray([s[k] for s in sizes], np.int32),
+                                           shardings[i]) for i, k in enumerate(syms))
         return _Ready(prog, tuple(sizes), size_inputs, tuple(pads), buckets)
 
     def lower(self, args: tuple) -> Any:
