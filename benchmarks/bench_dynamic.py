@@ -153,6 +153,8 @@ def main() -> None:
     ap = _common.parser(__doc__, reps=300)
     ap.add_argument("--calls", type=int, default=200, help="calls in part 1 (default 200)")
     ap.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
+    ap.add_argument("--parts", default="fixed,random",
+                    help="which parts to run: fixed (2), random (1 and 3); default both")
     a = ap.parse_args()
     n = a.replicas
     if n > len(jax.devices()):
@@ -161,8 +163,11 @@ def main() -> None:
     print(f"backend: {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
           f"jax {jax.__version__}")
     rng = np.random.default_rng(0)
-    fixed_bucket(rng, n, a.reps)
-    random_sizes(rng, a.calls, n)
+    parts = set(a.parts.split(","))
+    if "fixed" in parts:
+        fixed_bucket(rng, n, a.reps)
+    if "random" in parts:
+        random_sizes(rng, a.calls, n)
 
 
 if __name__ == "__main__":

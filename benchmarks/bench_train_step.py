@@ -85,7 +85,7 @@ def main() -> None:
     for f in fns.values():  # warm up
         f(), f()
     res = _common.interleaved(fns, args.reps)
-    print(f"jax {jax.__version__}, {n} CPU devices, global batch {args.batch}; per-step time, "
+    print(f"jax {jax.__version__}, {n} {jax.devices()[0].platform} devices, global batch {args.batch}; per-step time, "
           f"{args.inner} steps per sample; cache_info: {tuple(ours.cache_info())}")
     _common.report("train step, inputs already on device (step calls only)",
                    res["ours"], res["jit"], TARGET)
