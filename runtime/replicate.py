@@ -10,6 +10,7 @@ Result leaves proven identical on every replica come back as one array, the othe
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -70,6 +71,21 @@ class RunOptions:
         if self.dynamic_shapes:
             from runtime.dynamic import check_options
             check_options(self)
+
+    def __hash__(self) -> int:
+        # fields may hold lists and dicts (maximum_shapes, dynamic_dims, bucketing): hash a
+        # frozen copy, so options can key a dict like any other static argument
+        return hash(tuple(_frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+
+def _frozen(v: Any) -> Any:
+    """A hashable stand-in for an option value: lists and tuples -> tuples, dicts -> tuples
+    of items; anything else (callables included) as it is."""
+    if isinstance(v, dict):
+        return ("dict",) + tuple((_frozen(k), _frozen(x)) for k, x in sorted(v.items(), key=repr))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    return v
 
 
 def _scalar_sig(x: Any) -> tuple:

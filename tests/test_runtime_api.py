@@ -362,3 +362,17 @@ def test_per_replica_device_arrays_wherever_they_are(placement, logical_devices)
         np.testing.assert_allclose(np.asarray(y.values[r]), host[r] @ host[r].T * scal[r], rtol=1e-5)
         assert float(s2.values[r]) == 2 * scal[r]
         assert y.values[r].devices() == {step._replica_devices[r]}
+
+
+def test_run_options_hash_with_list_and_dict_fields():
+    """RunOptions with maximum_shapes (a list) and dynamic_dims (a dict) hash like the
+    frozen dataclass they are: equal options, equal hashes; they key a dict."""
+    def opts(axes, bound):
+        return rt.RunOptions(dynamic_shapes=True, dynamic_dims={0: axes, 1: {1: "t"}},
+                             maximum_shapes=[(bound, None), None], bucketing=[8, 16, 32])
+    a, b, c = opts((0, 1), 100), opts((0, 1), 100), opts((0, 2), 100)
+    assert a == b and hash(a) == hash(b)
+    assert a != c and a != opts((0, 1), 99)
+    table = {a: "a", c: "c"}
+    assert table[b] == "a" and len(table) == 2
+    assert hash(rt.RunOptions()) == hash(rt.RunOptions())
