@@ -37,6 +37,18 @@ def interleaved(fns: dict[str, Callable[[], float | None]], reps: int) -> dict[s
     return out
 
 
+def blocked(f: Callable[[], object]) -> Callable[[], float]:
+    """A sample for :func:`interleaved`: the seconds ``f()`` takes until its result is
+    ready (``jax.block_until_ready``, which also waits on a ``PerReplica``)."""
+    import jax
+
+    def sample() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        return time.perf_counter() - t0
+    return sample
+
+
 def fmt(seconds: float) -> str:
     if seconds < 1e-3:
         return f"{seconds * 1e6:8.2f} us"

@@ -118,20 +118,12 @@ def fixed_bucket(rng, n: int, reps: int) -> None:
     want = [float(jax.jit(step_fn)(w, x, y)[1]) for x, y in zip(xs, ys)]
     np.testing.assert_allclose([float(v) for v in loss.values], want, rtol=1e-5)
 
-    def timed(f):
-        def run():
-            t0 = time.perf_counter()
-            f()
-            return time.perf_counter() - t0
-        return run
+    blocked = _common.blocked
     fns = {
-        "dyn": timed(lambda: jax.block_until_ready(dyn(w, rt.PerReplica(xs), rt.PerReplica(ys)))),
-        "dyn+values": timed(lambda: jax.block_until_ready(
-            _values(dyn(w, rt.PerReplica(xs), rt.PerReplica(ys))))),
-        "static": timed(lambda: jax.block_until_ready(
-            static(w, rt.PerReplica(xs_p), rt.PerReplica(ys_p)))),
-        "dp": timed(lambda: jax.block_until_ready(
-            dp(w, np.concatenate(xs_p), np.concatenate(ys_p)))),
+        "dyn": blocked(lambda: dyn(w, rt.PerReplica(xs), rt.PerReplica(ys))),
+        "dyn+values": blocked(lambda: _values(dyn(w, rt.PerReplica(xs), rt.PerReplica(ys)))),
+        "static": blocked(lambda: static(w, rt.PerReplica(xs_p), rt.PerReplica(ys_p))),
+        "dp": blocked(lambda: dp(w, np.concatenate(xs_p), np.concatenate(ys_p))),
     }
     for f in fns.values():  # warm up: compile everything first
         for _ in range(5):

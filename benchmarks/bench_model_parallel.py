@@ -2,18 +2,13 @@
 vs the same step hand-written with ``jax.jit``, ``NamedSharding`` and
 ``with_sharding_constraint`` on the same mesh. Interleaved, medians, ratio.
 
-    python benchmarks/bench_model_parallel.py [--reps 30] [--iters 20]
+    python benchmarks/bench_model_parallel.py [--reps 30] [--iters 10]
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import time
+import _common  # noqa: F401  (sets XLA_FLAGS and sys.path before JAX is imported)
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -57,10 +52,12 @@ def theirs_step(mesh):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=30, help="timed repetitions of each (default 30)")
+    ap = _common.parser(__doc__, reps=30)
     ap.add_argument("--iters", type=int, default=10, help="steps per repetition (default 10)")
     args = ap.parse_args()
+    if len(jax.devices()) < N * K:
+        raise SystemExit(f"needs {N * K} devices ({N} replicas x {K} logical devices); "
+                         f"this backend has {len(jax.devices())}")
     rng = np.random.default_rng(0)
     p0 = {"w1": (rng.normal(size=(D, H)) / np.sqrt(D)).astype(np.float32),
           "w2": (rng.normal(size=(H, D)) / np.sqrt(H)).astype(np.float32)}
@@ -69,29 +66,27 @@ def main() -> None:
     ours, theirs = ours_step(), theirs_step(mesh)
     xs_ours = rt.distribute(x, N)
     x_theirs = jax.device_put(x, NamedSharding(mesh, P("replica")))
-    po, pt = ours(p0, xs_ours)[0], theirs(p0, x_theirs)[0]
+    state = {"ours": ours(p0, xs_ours)[0], "theirs": theirs(p0, x_theirs)[0]}
     # same numbers (mean of per-replica means == global mean for equal shards)
     for k in p0:
-        np.testing.assert_allclose(po[k], pt[k], rtol=2e-4, atol=1e-5)
+        np.testing.assert_allclose(state["ours"][k], state["theirs"][k], rtol=2e-4, atol=1e-5)
 
-    def run(fn, p, x):
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            p, l = fn(p, x)
-        jax.block_until_ready(p)
-        return (time.perf_counter() - t0) / args.iters, p
+    def run(name, fn, x):
+        def sample():
+            p = state[name]
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                p, _ = fn(p, x)
+            jax.block_until_ready(p)
+            state[name] = p  # the parameters are chained from step to step
+            return (time.perf_counter() - t0) / args.iters
+        return sample
 
-    t_ours, t_theirs = [], []
-    for _ in range(args.reps):
-        dt, po = run(ours, po, xs_ours)
-        t_ours.append(dt)
-        dt, pt = run(theirs, pt, x_theirs)
-        t_theirs.append(dt)
-    mo, mt = np.median(t_ours), np.median(t_theirs)
-    print(f"annotated step ({N} replicas x {K} logical devices, MLP {D}->{H}->{D}, {B} rows/replica)")
-    print(f"  ours (rt.replicate)            median {mo * 1e3:8.3f} ms/step")
-    print(f"  hand-written jax.jit+sharding  median {mt * 1e3:8.3f} ms/step")
-    print(f"ratio (ours/jax.jit): {mo / mt:.3f}x  target <= 1.05x")
+    t = _common.interleaved({"ours": run("ours", ours, xs_ours),
+                             "theirs": run("theirs", theirs, x_theirs)}, args.reps)
+    _common.report(f"annotated step ({N} replicas x {K} logical devices, MLP {D}->{H}->{D}, "
+                   f"{B} rows/replica), per step", t["ours"], t["theirs"], 1.05,
+                   ref_name="jax.jit + sharding")
 
 
 if __name__ == "__main__":

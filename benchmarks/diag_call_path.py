@@ -9,13 +9,13 @@ from __future__ import annotations
 import _common  # noqa: F401  (sets XLA_FLAGS and sys.path before JAX is imported)
 
 import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import runtime as rt  # noqa: E402
 from ir import _jax_compat as jc  # noqa: E402
+from _common import blocked  # noqa: E402
 from _mlp import make_step, setup  # noqa: E402
 
 
@@ -37,18 +37,12 @@ def main() -> None:
     flat = jax.device_put(leaves, list(prog.jax_compiled.input_shardings[0]))
     ref_c = ref.lower(state, dev_batch).compile()
 
-    def t(f):
-        def run():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            return time.perf_counter() - t0
-        return run
     dist = rt.distribute(jax.device_put(batch, ours._varying_sharding), 1)
-    fns = {"ours call, PerReplica([device batch])": t(lambda: ours(state, pr)),
-           "ours call, distribute(global batch)": t(lambda: ours(state, dist)),
-           "jit call": t(lambda: ref(state, dev_batch)),
-           "ours executable alone": t(lambda: prog.call(*flat)),
-           "jit executable alone": t(lambda: ref_c(state, dev_batch))}
+    fns = {"ours call, PerReplica([device batch])": blocked(lambda: ours(state, pr)),
+           "ours call, distribute(global batch)": blocked(lambda: ours(state, dist)),
+           "jit call": blocked(lambda: ref(state, dev_batch)),
+           "ours executable alone": blocked(lambda: prog.call(*flat)),
+           "jit executable alone": blocked(lambda: ref_c(state, dev_batch))}
     res = _common.interleaved(fns, a.reps)
     for k, v in res.items():
         print(f"   {k:40s} median {_common.fmt(statistics.median(v))}")
@@ -78,16 +72,10 @@ def dynamic_phases(reps: int) -> None:
     flat = list(ready.size_inputs) + [w, _pad_host([x], (512, D), x.dtype, 1),
                                       _pad_host([y], (512, D), y.dtype, 1)]
 
-    def t(f):
-        def run():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            return time.perf_counter() - t0
-        return run
-    fns = {"dynamic call": t(lambda: dyn(*args)),
-           "run() alone (pad + execute + wrap)": t(lambda: path.run(ready, leaves)),
-           "executable on padded host inputs": t(lambda: ready.prog.call(*flat)),
-           "pad both inputs on the host": t(lambda: (_pad_host([x], (512, D), x.dtype, 1),
+    fns = {"dynamic call": blocked(lambda: dyn(*args)),
+           "run() alone (pad + execute + wrap)": blocked(lambda: path.run(ready, leaves)),
+           "executable on padded host inputs": blocked(lambda: ready.prog.call(*flat)),
+           "pad both inputs on the host": blocked(lambda: (_pad_host([x], (512, D), x.dtype, 1),
                                                      _pad_host([y], (512, D), y.dtype, 1)))}
     res = _common.interleaved(fns, reps)
     print("dynamic step, 1 replica, bucket 512 (real 314):")

@@ -17,6 +17,7 @@ from runtime.distributed import initialize_distributed
 from runtime.iterators import (DistributedIterator, ValueContext, distribute_iterator,
                                distribute_steps, distribute_values_from_function)
 from runtime.sync_on_read import SyncOnRead
+from runtime.dynamic import distribute_uneven
 
 __all__ = [
     "replicate", "Replicated", "RunOptions", "PerReplica", "distribute", "reduce",
@@ -25,4 +26,5 @@ __all__ = [
     "Lowered", "Compiled", "CacheInfo",
     "distribute_iterator", "DistributedIterator", "distribute_values_from_function",
     "ValueContext", "distribute_steps", "SyncOnRead", "initialize_distributed",
+    "distribute_uneven",
 ]

@@ -93,6 +93,7 @@ def test_uneven_distribute_and_output_lengths():
     x = np.arange(30, dtype=np.float32).reshape(15, 2)
     out = step(distribute_uneven(x, N))
     assert [v.shape[0] for v in out.values] == [4, 4, 4, 3]
+    assert rt.distribute_uneven is distribute_uneven
     np.testing.assert_allclose(np.concatenate(out.values), x * 2)
 
 
