@@ -19,15 +19,22 @@ unpad (``RunOptions(dynamic_shapes=True)``).
   bucket; the cache key holds the bucket sizes, so ``cache_info().misses`` counts one
   compile per bucket. Each call logs its bucket (``logging.getLogger("runtime")``, INFO)
   and more compiles than ``RunOptions(max_compiles_warning=...)`` warn once.
-- The real sizes go in as run-time ``s32`` arguments, one per replica per symbol; inputs
-  are zero-padded at the end of each dynamic axis; outputs keep their padded axes sliced
-  back to each replica's real size (``PerReplica`` values of different lengths).
+- The real sizes go in as run-time ``s32`` arguments, one per replica per symbol (placed
+  on the devices once per input signature); inputs are zero-padded at the end of each
+  dynamic axis (the masks make the result independent of what the padding holds);
+  outputs keep their padded axes sliced back to each replica's real size (deferred
+  ``PerReplica`` values of different lengths).
+- Each exact input signature is planned once (:class:`_Ready`: program, size inputs,
+  padding per leaf; at most ``READY_MEMO_SIZE``): a repeated call skips validation,
+  bucketing and the key, and keeps the bucket it got (``auto`` does not move it).
 - Gradient all-reduce keeps TF's semantics: each replica's ``mean`` divides by its own
   real size (``dim_as_value`` in the trace), and gradients are then averaged over replicas.
 
-Not supported (errors, never silent): ``steps_per_call > 1``, several processes, Python
-code that branches on a dynamic size (it is a symbol when traced), and the ops the
-``padding`` pass rejects (loops over padded values, ``rev``, windows, ...).
+Not supported (errors, never silent): ``steps_per_call > 1``, several processes,
+``donate=True``, Python code whose shapes depend on comparing a dynamic size with a
+number (a ``ValueError`` naming the line; a bound in ``maximum_shapes`` settles some), and
+the ops the ``padding`` pass rejects (loops over padded values, ``rev``, windows, padded
+updates onto real elements, ...). The persistent cache is not used (a warning).
 """
 from __future__ import annotations
 
@@ -161,6 +168,14 @@ class DynamicPath:
             raise NotImplementedError("RunOptions(dynamic_shapes=True) with steps_per_call > 1")
         if rep._process_count != 1:
             raise NotImplementedError("RunOptions(dynamic_shapes=True) with several processes")
+        if rep.donate:
+            raise NotImplementedError("RunOptions(dynamic_shapes=True) with donate=True: the "
+                                      "padded inputs are new buffers every call, nothing to donate")
+        from runtime.persistent import cache_dir_for
+        if cache_dir_for(rep.options):
+            warnings.warn(f"{rep.__name__}: the persistent cache ({cache_dir_for(rep.options)}) "
+                          f"does not hold dynamic-shape programs; each process compiles its "
+                          f"buckets", RuntimeWarning, stacklevel=4)
         self.rep = rep
         self.options = rep.options
         check_options(self.options)

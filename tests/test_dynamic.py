@@ -453,3 +453,20 @@ def test_bound_settles_a_size_comparison():
     out = step(rt.PerReplica(xs))
     for v, x in zip(out.values, xs):
         np.testing.assert_allclose(v, x.sum(0))
+
+
+def test_unsupported_combinations_say_so():
+    opts = rt.RunOptions(dynamic_shapes=True)
+    with pytest.raises(NotImplementedError, match="dynamic_shapes=True.* donate=True"):
+        rt.replicate(lambda s, x: (s, x), num_replicas=2, options=opts, donate=True)
+    with pytest.raises(NotImplementedError, match="steps_per_call > 1"):
+        rt.replicate(lambda s, x: (s, x), num_replicas=2, options=opts, steps_per_call=2)
+
+
+def test_persistent_cache_is_not_silently_ignored(tmp_path):
+    opts = rt.RunOptions(dynamic_shapes=True, cache_dir=str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=rf"persistent cache \({tmp_path}\) does not hold "
+                                            r"dynamic-shape programs"):
+        step = rt.replicate(lambda x: x.sum(0), num_replicas=2, options=opts)
+    out = step(rt.PerReplica([np.ones((3, 2), np.float32), np.ones((5, 2), np.float32)]))
+    np.testing.assert_allclose(out.values[1], [5.0, 5.0])
