@@ -53,7 +53,7 @@ from compiler.pass_manager import PassManager, parse_pipeline
 from compiler.trace import LeafSpec, trace_replica_fn
 from ir.graph import Graph, Value
 from ir.types import Replica, SymDim, TensorType
-from runtime.per_replica import PerReplica
+from runtime.per_replica import LEAF_TREEDEF, PerReplica
 from runtime.replicate import leaf_sig
 
 log = logging.getLogger("runtime")
@@ -450,15 +450,15 @@ class DynamicPath:
                 flat.append(x)
                 continue
             td, leaf_pads = pad
-            per = x.values if td == _ONE else [td.flatten_up_to(v) for v in x.values]
+            per = x.values if td == LEAF_TREEDEF else [td.flatten_up_to(v) for v in x.values]
             for j, (shape, dtype, to) in enumerate(leaf_pads):
-                arrs = per if td == _ONE else [p[j] for p in per]
+                arrs = per if td == LEAF_TREEDEF else [p[j] for p in per]
                 if all(type(a) is np.ndarray for a in arrs):
                     flat.append(_pad_host(arrs, shape, dtype, n))
                 else:  # device arrays: pad each on its device, then assemble
                     arrs = [a if isinstance(a, jax.Array) else np.asarray(a) for a in arrs]
                     flat.extend(rep._global_inputs(PerReplica([_pad(a, to) for a in arrs]),
-                                                   (_ONE, (len(shape),))))
+                                                   (LEAF_TREEDEF, (len(shape),))))
         try:
             outs = prog.call(*flat)
         except ValueError as e:
@@ -525,9 +525,6 @@ def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tu
         return [x[tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
                         for a in range(rank))] for i, x in enumerate(vals)]
     return PerReplica.deferred(len(sizes), values, (out,))
-
-
-_ONE = jax.tree.structure(0)
 
 
 def _inconclusive(e: Exception, name: str, syms: tuple, bounds: dict) -> ValueError:

@@ -40,7 +40,7 @@ class PerReplica:
         out._values, out._n, out._global, out._vshape = None, num, None, None
         out._make, out._pending = make, tuple(pending)
         if stacked is not None:
-            out._global = (_LEAF, (stacked[0],))
+            out._global = (LEAF_TREEDEF, (stacked[0],))
             out._vshape = tuple(stacked[1])
         return out
 
@@ -104,7 +104,8 @@ def distribute(tree: Any, num_replicas: int) -> PerReplica:
 
 
 _REDUCE_OPS = ("sum", "mean", "max", "min")
-_LEAF = jax.tree.structure(0)
+#: the treedef of one leaf: the inner structure of a PerReplica of plain arrays
+LEAF_TREEDEF = jax.tree.structure(0)
 
 
 def _stacked_on_host(v: PerReplica) -> np.ndarray | None:

@@ -32,14 +32,13 @@ from ir.graph import Graph
 from ir.jaxpr_import import REPLICA_AXIS
 from ir.types import Replica
 from runtime.cache import CacheInfo, ExecutableCache
-from runtime.per_replica import PerReplica
+from runtime.per_replica import LEAF_TREEDEF, PerReplica
 from runtime.stages import Lowered
 
 log = logging.getLogger("runtime")
 _tree_flatten = jax.tree_util.tree_flatten
 #: a (1,) shard -> its scalar, through jit's C++ dispatch (an eager reshape costs ~3x)
 _to_scalar = jax.jit(lambda x: x.reshape(()))
-_LEAF = jax.tree.structure(0)
 
 
 @dataclass(frozen=True)
@@ -401,7 +400,7 @@ class Replicated:
         if pr._values is None and pr._vshape is not None:
             # a step's result not yet split: every value has its global array's dtype
             g = pr._global[1][0]
-            return ("per_replica", _LEAF, ((pr._vshape, g.dtype, bool(g.weak_type)),))
+            return ("per_replica", LEAF_TREEDEF, ((pr._vshape, g.dtype, bool(g.weak_type)),))
         leaves0, td0 = jax.tree.flatten(pr.values[0])
         sig0 = tuple(leaf_sig(x) for x in leaves0)
         for r in range(1, n):
