@@ -77,11 +77,10 @@ SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "s
                       "scatter-max"})
 #: ops that index into an axis of their first operand (``pad_index`` on padded ones)
 INDEX_RULES = frozenset({"gather", "dynamic_slice", "dynamic_update_slice"}) | SCATTERS
-#: ops whose operands' axes move; checked only for dim expressions in the result
-STRUCTURAL = frozenset({"broadcast_in_dim", "transpose", "squeeze", "expand_dims", "gather",
-                        "dynamic_slice", "slice", "dot_general", "sort", "top_k", "iota",
-                        "concatenate", "pad", "split", "select_n", "clamp", "argsort", "squeeze"} | set(REDUCE_RULES)
-                       | INDEX_RULES)
+#: ops whose operands' axes move; checked only for dim expressions in the result (ops
+#: with a rule of their own in ``_Padder.masked`` are handled before this set is consulted)
+STRUCTURAL = frozenset({"broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+                        "iota", "concatenate", "pad", "split", "select_n", "clamp", "argsort"})
 
 
 def _loc(op: Op) -> str:
@@ -231,9 +230,6 @@ class _Padder:
                 f"({_loc(op)})")
         if any_pad:
             operands = self.masked(op, pads, operands)
-            if op.name in INDEX_RULES:
-                operands, updates = self.indexed(op, pads, operands)
-                attrs = tuple((k, updates.get(k, v)) for k, v in attrs)
         results = tuple(self.new(r) for r in op.results)
         self.ops.append(op.replace(operands=tuple(operands), results=results, attrs=attrs))
 
@@ -275,6 +271,8 @@ class _Padder:
         if name == "reshape":
             self.check_reshape(op, pads[0])
             return operands
+        if name in INDEX_RULES:
+            return self.indexed(op, pads, operands)
         if name in STRUCTURAL:
             return operands
         # unknown op: allowed only when element-wise on every padded axis
@@ -312,11 +310,9 @@ class _Padder:
                             ("oob", oob)), op.loc))
         return out
 
-    def indexed(self, op: Op, pads: list[dict[int, str]],
-                operands: list[Value]) -> tuple[list[Value], dict[str, Any]]:
+    def indexed(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
         """Indices into padded axes of ``op``'s first operand behave as they would against
-        the real sizes; padded scatter update rows are dropped. Returns the new operands
-        and attribute updates."""
+        the real sizes; padded scatter update rows are dropped."""
         name, x_pad = op.name, pads[0]
         bucket = lambda a: self.buckets[x_pad[a]]  # noqa: E731
         if name == "dynamic_slice" or name == "dynamic_update_slice":
@@ -331,7 +327,7 @@ class _Padder:
                     continue  # the whole padded axis: the start can only be 0
                 i = first + a
                 operands[i] = self.pad_index(operands[i], -1, int(size), "clip", 0, sym, op)
-            return operands, {}
+            return operands
         dn = _live(op, "dimension_numbers")
         mode = getattr(_live(op, "mode"), "name", None)
         if name == "gather":
@@ -339,11 +335,10 @@ class _Padder:
             for j, a in enumerate(dn.start_index_map):
                 if a not in x_pad or not isinstance(sizes[a], (int, np.integer)):
                     continue
-                kind = self.index_mode(op, mode, a, x_pad[a])
                 operands[1] = self.pad_index(operands[1], j, int(sizes[a]),
-                                             "drop" if kind == "drop" else "clip", bucket(a),
+                                             self.index_mode(op, mode, a, x_pad[a]), bucket(a),
                                              x_pad[a], op)
-            return operands, {}
+            return operands
         # scatter family: operand, indices, updates
         upd_t, idx_t = op.operands[2].type, op.operands[1].type
         window = [a for a in range(op.operands[0].type.rank)
@@ -369,7 +364,7 @@ class _Padder:
             past = int(operands[0].type.shape[a0])
             for a, sym in rows.items():
                 operands[1] = self.mask(operands[1], a, sym, str(past), op)
-        return operands, {}
+        return operands
 
     def index_mode(self, op: Op, mode: str | None, axis: int, sym: str) -> str:
         """``clip`` or ``drop``: what an out-of-range index into padded ``axis`` does."""
