@@ -88,6 +88,13 @@ def _cast_varying(op: Op, args: list[Any]) -> list[Any]:
     return list(args)  # a type-level cast; lowered without JAX's varying checks
 
 
+@rule("loss_scale")
+def _loss_scale(op: Op, args: list[Any]) -> list[Any]:
+    raise LoweringError(
+        f"loss_scale ({op.loc}) reached lowering: the pipeline has no 'cross-replica-sum' "
+        f"pass, which applies the loss reduction to gradients; add it to the pipeline")
+
+
 @rule("replica_id")
 def _replica_id(op: Op, args: list[Any]) -> list[Any]:
     if _single_replica():

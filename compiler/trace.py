@@ -3,8 +3,31 @@
 The function is traced from the point of view of one replica inside
 ``shard_map(check_vma=True)`` over an abstract ``replica`` axis, so JAX types every value
 as varying or not across replicas and ``jax.grad`` places a cross-replica sum on the
-gradient of each mirrored input (see ``compiler.passes.cross_replica_sum``). No devices
-are needed: the mesh is abstract.
+gradient of each mirrored input. No devices are needed: the mesh is abstract.
+
+The loss reduction (TF's semantics) is applied where a pullback begins and ends, never by
+recognizing ops afterwards. While a replica is traced, every ``jax.vjp`` pullback (so
+``grad``, ``value_and_grad``, ``jacrev`` and the libraries built on them) goes through
+:func:`_pullback`, which marks with ``loss_scale`` ops:
+
+- each cotangent seed of an output that is identical on every replica (typed invariant):
+  TF counts such a value once per replica, i.e. it is differentiated as ``pvary(y)``;
+  ``loss_scale {replicas=1}`` multiplies the seed by N;
+- each resulting gradient of a mirrored primal: ``loss_scale {reduction=1}`` multiplies it
+  by 1/N for ``"mean"`` and 1 for ``"sum"`` (``compiler.passes.cross_replica_sum``
+  decides the factor, so the trace does not depend on the option).
+
+Why this is exact: JAX's pullback under ``check_vma`` is the exact derivative of the
+global program, where an invariant value is one value and a varying one N values. Seeding
+an invariant output with N·c equals seeding ``pvary(y)`` with c on every replica, so the
+result is ∇ Σ_r <c, y_r> whatever JAX proved invariant; multiplying the gradients of
+mirrored primals by 1/N then gives the mean over replicas. Both are scalings of a linear
+map at its input and output: no path through the backward pass is treated differently
+from another, whatever ops (``custom_vjp`` backward functions, collectives, loops) it
+holds. Gradients of per-replica values (inputs, ``rt.local`` views) are the replica's
+own: no reduction. A pullback called while another is being transposed (a
+``custom_vjp`` backward function calling ``jax.vjp``) is left as JAX's own, since it is
+part of the outer gradient, which is scaled once at its own ends.
 """
 from __future__ import annotations
 
@@ -25,6 +48,39 @@ from ir.types import Replica
 #: the number of replicas of the step being traced (read by ``runtime.num_replicas()``)
 CURRENT_NUM_REPLICAS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "num_replicas", default=None)
+#: ``loss_scale(x) {replicas=a, reduction=b}``: x · N^a · r^b, with r = 1/N for
+#: ``loss_reduction="mean"`` and 1 for ``"sum"``; the ``cross-replica-sum`` pass replaces it
+LOSS_SCALE = jc.define_scale_primitive("loss_scale")
+
+
+def _is_float(x: Any) -> bool:
+    return jax.numpy.issubdtype(getattr(x, "dtype", None), jax.numpy.inexact)
+
+
+def _pullback(cts: list, out_axes: list, in_axes: list, run: Callable) -> list:
+    """The loss reduction at the two ends of one pullback (see the module docstring).
+
+    When every seed is identical on all replicas (the common case of an all-reduced or
+    mirrored-only loss), the factor N of the seeds is moved onto the results (the map is
+    linear), so a ``"mean"`` gradient of an identical loss is JAX's own, with no op."""
+    live = [i for i, c in enumerate(cts) if c is not None and _is_float(c)]
+    identical = [i for i in live if REPLICA_AXIS not in out_axes[i]]
+    fold = len(identical) == len(live)
+    seeds: list = [None] * len(cts)
+    if identical and not fold:
+        for i in identical:
+            seeds[i] = LOSS_SCALE.bind(cts[i], replicas=1, reduction=0)
+    grads = run(seeds)
+    replicas = int(bool(identical) and fold)
+    out = []
+    for g, axes in zip(grads, in_axes):
+        reduction = int(REPLICA_AXIS not in axes)
+        if g is not None and _is_float(g) and (replicas or reduction):
+            g = LOSS_SCALE.bind(g, replicas=replicas, reduction=reduction)
+        out.append(g)
+    return out
+
+
 #: the number of logical devices per replica (read by the sharding annotations)
 CURRENT_LOGICAL_DEVICES: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "logical_devices", default=None)
@@ -68,7 +124,9 @@ def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[Leaf
         captured["jaxpr"] = jax.make_jaxpr(flat_fn)(*avals)
         return ()
 
-    with replica_context(num_replicas, logical_devices), jc.varying_loop_carries():
+    jc.install_vjp_hook(_pullback)
+    with replica_context(num_replicas, logical_devices), jc.varying_loop_carries(), \
+            jc.grad_mode("replica"):
         jax.make_jaxpr(jax.shard_map(outer, mesh=mesh, in_specs=(), out_specs=(), check_vma=True))()
     reps = [Replica.VARYING if s.varying else Replica.MIRRORED for s in specs]
     graph = import_jaxpr(captured["jaxpr"], name, reps)

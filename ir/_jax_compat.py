@@ -228,3 +228,109 @@ def evaluate_dim(expr: Any, env: dict[str, Any]) -> Any:
 def dim_vars(expr: Any) -> tuple[str, ...]:
     """Names of the variables in a symbolic dimension expression, sorted."""
     return tuple(sorted(str(s) for s in expr._get_vars()))
+
+
+# -- reverse-mode differentiation inside a replica ------------------------------------
+# ``jax.vjp`` (and so ``grad``, ``value_and_grad``, ``jacrev``, flax/optax/equinox's
+# wrappers of them) returns a pullback that ends in ``jax._src.api._vjp3_bwd``: one
+# place where the cotangent seeds go in and the gradients of the primals come out. While
+# a replica is traced, the compiler wraps it (``install_vjp_hook``) to apply the loss
+# reduction at exactly those two ends (see ``compiler.trace``). The hook's mode is a JAX
+# config state included in JAX's trace context, so a ``jax.jit`` traced inside a replica
+# is never served from JAX's cache to a trace outside one, or the other way round.
+_GRAD_MODE = None
+_VJP_POLICY = None
+
+
+def _grad_mode_state():
+    global _GRAD_MODE
+    if _GRAD_MODE is None:
+        from jax._src import config as _config
+        _GRAD_MODE = _config.enum_state(
+            "replicate_hlo_grad_mode", ["off", "replica", "backward"], "off",
+            help="replicate-hlo: 'replica' while a replica's step is traced (pullbacks "
+                 "apply the loss reduction), 'backward' inside such a pullback.",
+            include_in_trace_context=True)
+    return _GRAD_MODE
+
+
+def grad_mode(mode: str):
+    """Context manager: set the reverse-mode hook's mode (``off``/``replica``/``backward``)."""
+    return _grad_mode_state()(mode)
+
+
+def install_vjp_hook(policy: Any) -> None:
+    """Route every pullback's seeds and results through ``policy`` while the mode is
+    ``replica``: ``policy(cts, out_varying, in_varying, run)`` gets the flat cotangent
+    seeds (``None`` for a symbolic zero), the manual axes each output and each primal
+    varies over, and ``run(cts) -> flat primal cotangents`` (``None`` where no array comes
+    back); it returns the primal cotangents. Inside ``run`` the mode is ``backward``, so a
+    pullback called while the backward pass is built (a ``custom_vjp`` backward function
+    that calls ``jax.vjp``) is JAX's own."""
+    global _VJP_POLICY
+    _VJP_POLICY = policy
+    from jax._src import api
+    from jax._src.interpreters import ad
+    orig = api._vjp3_bwd
+    if getattr(orig, "_replicate_hlo", False):
+        return
+    state = _grad_mode_state()
+
+    def hooked(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
+               maybe_accums, out_ct):
+        if state.value != "replica" or _VJP_POLICY is None:
+            return orig(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
+                        maybe_accums, out_ct)
+        is_zero = lambda x: isinstance(x, ad.Zero)
+        cts, ct_tree = jax.tree_util.tree_flatten(out_ct, is_leaf=is_zero)
+        if len(cts) != len(out_primal_avals):  # a malformed seed: JAX's own error
+            return orig(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
+                        maybe_accums, out_ct)
+        out_varying = [varying_axes(a) for a in out_primal_avals]
+        in_varying = [varying_axes(v.aval) for v in jaxpr.invars]
+        placeholders = (api.DidntWant, api.GradRef)
+
+        def run(new_cts):
+            seeds = [c if n is None else n for c, n in zip(cts, new_cts)]
+            with state("backward"):
+                res = orig(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
+                           maybe_accums, jax.tree_util.tree_unflatten(ct_tree, seeds))
+            leaves, tree = jax.tree_util.tree_flatten(
+                res, is_leaf=lambda x: isinstance(x, placeholders))
+            run.tree = tree
+            return [None if isinstance(x, placeholders) else x for x in leaves]
+
+        out = _VJP_POLICY([None if is_zero(c) else c for c in cts], out_varying,
+                          in_varying, run)
+        return jax.tree_util.tree_unflatten(run.tree, out)
+
+    hooked._replicate_hlo = True
+    api._vjp3_bwd = hooked
+
+
+def define_scale_primitive(name: str) -> Primitive:
+    """A primitive standing for ``x * factor`` with the factor decided later (by a pass):
+    linear and self-adjoint, so its JVP and its transpose are itself with the same
+    parameters; elementwise under vmap; typed like its operand."""
+    from jax._src.interpreters import ad, batching, mlir
+
+    p = Primitive(name)
+    p.def_impl(lambda x, **params: x)
+    p.def_abstract_eval(lambda aval, **params: aval)
+
+    def jvp(primals, tangents, **params):
+        (x,), (t,) = primals, tangents
+        return p.bind(x, **params), (t if type(t) is ad.Zero else p.bind(t, **params))
+
+    def transpose(ct, x, **params):
+        return [ct if type(ct) is ad.Zero else p.bind(ct, **params)]
+
+    def lowering(ctx, x, **params):
+        raise NotImplementedError(
+            f"{name} reached XLA: the pass that decides its factor did not run")
+
+    ad.primitive_jvps[p] = jvp
+    ad.primitive_transposes[p] = transpose
+    batching.primitive_batchers[p] = lambda args, dims, **params: (p.bind(args[0], **params), dims[0])
+    mlir.register_lowering(p, lowering)
+    return p

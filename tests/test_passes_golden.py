@@ -9,10 +9,12 @@ import os
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compiler.errors import LoweringError
 from compiler.pass_manager import PassManager, parse_pipeline
 from compiler.trace import LeafSpec, trace_replica_fn
 from ir.graph import Graph
@@ -71,19 +73,37 @@ def test_replication_sets_every_value():
         assert all(v.type.replica is not None for v in values), src
 
 
-def test_crs_mean_and_sum_differ_only_in_gradient_reduce():
+def test_crs_applies_the_loss_reduction_only_at_loss_scale_markers():
+    """Checked beside the golden text: no marker survives; the user's max all-reduce is
+    untouched; gradient sums stay sums (marked); "mean" divides where reduction=1, "sum"
+    multiplies only where replicas=1 and reduction does not cancel it."""
     graph = parse((GOLDEN / "crs.in.txt").read_text())
     outs = {}
     for red in ("mean", "sum"):
         g = PassManager(parse_pipeline("cross-replica-sum", loss_reduction=red, num_replicas=4),
                         dump_dir="").run(graph)
+        assert not [op for op in g.ops if op.name == "loss_scale"]
         outs[red] = [op for op in g.ops if op.name == "all_reduce"]
-    user_mean, grad_mean = outs["mean"]
-    user_sum, grad_sum = outs["sum"]
+        outs[red + "_scale"] = sorted(op.name for op in g.ops if op.name in ("mul", "div"))
+    user_mean, *grads_mean = outs["mean"]
+    user_sum, *grads_sum = outs["sum"]
     assert user_mean.attr("reduce") == user_sum.attr("reduce") == "max"
     assert user_mean.attr("gradient") is None
-    assert (grad_mean.attr("reduce"), grad_mean.attr("gradient")) == ("mean", True)
-    assert (grad_sum.attr("reduce"), grad_sum.attr("gradient")) == ("sum", True)
+    for op in grads_mean + grads_sum:
+        assert (op.attr("reduce"), op.attr("gradient")) == ("sum", True)
+    # the user's own mul (%13) plus: mean: two divisions, one times N; sum: two times N
+    assert outs["mean_scale"] == ["div", "div", "mul", "mul"]
+    assert outs["sum_scale"] == ["mul", "mul", "mul"]
+
+
+def test_pipeline_without_cross_replica_sum_is_an_error_not_a_sum():
+    """Issue 10: a pipeline that leaves out the pass must not turn "mean" into "sum"."""
+    import runtime as rt
+    w = jnp.ones((3,))
+    step = rt.replicate(lambda w, x: jax.grad(lambda w: jnp.sum(w * x))(w), num_replicas=2,
+                        options=rt.RunOptions(pipeline="replication,sharding,dce"))
+    with pytest.raises(LoweringError, match=r"no 'cross-replica-sum' pass"):
+        step(w, rt.distribute(np.ones((4, 3), np.float32), 2))
 
 
 # ------------------------------------------------------------------ a real traced step
@@ -106,11 +126,14 @@ def test_traced_sgd_step_golden():
     text = _compare("traced_sgd", out)
     assert text.startswith("func @step(%0: f32[4,2] mirrored, %1: f32[3,4] varying, "
                            "%2: f32[3,2] varying) {")
-    # exactly one gradient all-reduce, a mean, on the weight's gradient, in the backward pass
+    # exactly one gradient all-reduce, a sum, on the weight's gradient, in the backward pass,
+    # then the mean's division by N where the trace marked the pullback's end
     reduces = [op for op in out.ops if op.name == "all_reduce"]
     assert len(reduces) == 1
     (ar,) = reduces
-    assert ar.attr("reduce") == "mean" and ar.attr("gradient") is True and ar.loc.in_transpose
+    assert ar.attr("reduce") == "sum" and ar.attr("gradient") is True and ar.loc.in_transpose
+    assert [op.name for op in out.ops if op.name in ("div", "loss_scale")
+            and ar.result in op.operands] == ["div"]
     assert ar.result.type.replica is Replica.MIRRORED and ar.result.type.shape == (4, 2)
     # the loss is per replica, the new weight identical everywhere
     assert [v.type.replica for v in out.outputs] == [Replica.VARYING, Replica.MIRRORED]

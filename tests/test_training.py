@@ -8,6 +8,8 @@ against an explicit oracle.
 """
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,15 +121,21 @@ def test_weight_decay_sum_counts_it_n_times(mlp, n):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_user_all_reduced_loss_is_not_scaled_twice(mlp, n, reduction):
+def test_user_all_reduced_loss_follows_tf(mlp, n, reduction):
+    """An all-reduced loss is identical on every replica. TF: every replica holds its own
+    copy of it, so "mean" gives its gradient once (the global-batch gradient, not scaled
+    twice) and "sum" gives N times it (the sum over the replicas' copies)."""
     model, params, batch = mlp
     loss = mse_loss(model)
 
     def global_loss(p, b):
         return rt.all_reduce(loss(p, b), "mean")
+
+    def oracle(p, b):
+        return (n if reduction == "sum" else 1) * loss(p, b)
     got = rt.replicate(sgd_step(global_loss, lr=0.2), num_replicas=n, loss_reduction=reduction)(
         params, rt.distribute(batch, n))
-    assert_trees_close(got, jax.jit(sgd_step(loss, lr=0.2))(params, batch))
+    assert_trees_close(got, jax.jit(sgd_step(oracle, lr=0.2))(params, batch))
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -158,10 +166,19 @@ def test_gradient_all_reduce_in_ir_and_hlo(mlp):
     grads = [line for line in text.splitlines() if "= all_reduce(" in line]
     # one gradient all-reduce per parameter (4: two kernels, two biases)
     assert len(grads) == len(jax.tree.leaves(params)), text
-    assert all("gradient=True" in line and "reduce='mean'" in line for line in grads), grads
-    # before the pass they are plain sums
-    before = str(lowered.ir(after="replication"))
-    assert "gradient=True" not in before and "reduce='sum'" in before
+    assert all("gradient=True" in line and "reduce='sum'" in line for line in grads), grads
+    # the trace marked each mirrored gradient with the loss reduction; the pass made each
+    # marker a division by N ("mean") and left no marker
+    before = lowered.ir(after="replication")
+    marks = [op for op in before.ops if op.name == "loss_scale"]
+    assert [(op.attr("replicas"), op.attr("reduction")) for op in marks] == [(0, 1)] * 4
+    assert "gradient=True" not in str(before)
+    after = lowered.ir()
+    assert not [op for op in after.ops if op.name == "loss_scale"]
+    consts = {op.result: op for op in after.ops if op.name == "constant"}
+    divs = [op for op in after.ops if op.name == "div" and op.operands[1] in consts
+            and float(consts[op.operands[1]].attr("value")) == 4.0]
+    assert len(divs) >= 4, text
     assert "all-reduce" in lowered.compile().as_text()
 
 
@@ -260,19 +277,35 @@ def test_user_summed_loss_is_the_loss(mlp, n):
     assert_trees_close(got, jax.jit(sgd_step(oracle, lr=0.05))(params, batch))
 
 
-def test_reducing_gradients_again_warns_and_mean_is_harmless(mlp):
-    """Gradients of mirrored values come back already all-reduced; a user who reduces
-    them again (TF 1 habit) is warned with the source line, and a mean changes nothing."""
+def test_reducing_gradients_again_mean_is_harmless_and_silent(mlp):
+    """Gradients of mirrored values come back already all-reduced; a pmap habit of
+    reducing them again with a mean changes nothing and warns nothing (issue 11)."""
     model, params, batch = mlp
     loss = mse_loss(model)
 
     def step(p, b):
         g = jax.grad(loss)(p, b)
-        g = rt.all_reduce(g, "mean")  # the line the warning names
+        g = rt.all_reduce(g, "mean")
         return jax.tree.map(lambda a, c: a - 0.2 * c, p, g)
-    with pytest.warns(UserWarning, match=r"already identical on every replica \(test_training\.py:\d+"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         got = rt.replicate(step, num_replicas=4)(params, rt.distribute(batch, 4))
     assert_trees_close(got, jax.jit(sgd_step(loss, lr=0.2))(params, batch))
+
+
+def test_summing_gradients_again_warns_with_the_line(mlp):
+    """A sum of an already identical gradient multiplies it by N: warned, naming the line."""
+    model, params, batch = mlp
+    loss = mse_loss(model)
+
+    def step(p, b):
+        g = jax.grad(loss)(p, b)
+        g = rt.all_reduce(g, "sum")  # the line the warning names
+        return jax.tree.map(lambda a, c: a - 0.05 * c, p, g)
+    line = step.__code__.co_firstlineno + 2
+    with pytest.warns(UserWarning, match=rf"already identical on every replica \(test_training\.py:{line}"):
+        got = rt.replicate(step, num_replicas=4)(params, rt.distribute(batch, 4))
+    assert_trees_close(got, jax.jit(sgd_step(lambda p, b: 4 * loss(p, b), lr=0.05))(params, batch))
 
 
 def _hvp_loss(w, b, center=lambda m: m):

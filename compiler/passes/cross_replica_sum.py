@@ -1,46 +1,30 @@
-"""The ``cross-replica-sum`` pass: gradients of mirrored inputs are all-reduced across
-replicas with TF's loss-reduction semantics.
+"""The ``cross-replica-sum`` pass: TF's loss reduction on the gradients of mirrored
+values, and the gradient all-reduces marked (and optionally bucketed).
 
-How the gradient all-reduces get there: the step is traced per replica with JAX's
-varying-type checks on, so where a mirrored value meets a per-replica one JAX inserts a
-cast to varying (``cast_varying``), and ``jax.grad`` transposes that cast into a
-cross-replica sum on the gradient of the mirrored value. Those sums sit in the backward
-pass (their name stack reads ``transpose(...)``). Their sum over all of a mirrored
-input's uses is that input's gradient summed over replicas: exactly one reduction.
+Where the all-reduces come from: the step is traced per replica with JAX's varying-type
+checks on, so where a mirrored value meets a per-replica one JAX inserts a cast to
+varying, and ``jax.grad`` transposes that cast into a cross-replica sum on the gradient
+of the mirrored value (JAX's exact derivative of the global program).
+
+Where the loss reduction comes from: not from these sums. The trace marks the two ends of
+every pullback with ``loss_scale(x) {replicas=a, reduction=b}`` (see
+``compiler.trace``): seeds of outputs identical on every replica (``replicas=1``) and
+gradients of mirrored primals (``reduction=1``). This pass replaces each marker by
+x · N^a · r^b, with r = 1/N for ``loss_reduction="mean"`` and 1 for ``"sum"`` (a factor
+of 1 is no op at all, 1/N a division by N as in ``pmean``). Nothing else is scaled, so a
+constant in a user's ``custom_vjp`` backward function, a user's collective, a loop or a
+branch can never change the factor: the result is c·∇ Σ_r L_r by construction, with c the
+reduction and an identical L counted once per replica (TF's semantics).
 
 Contract:
-- every gradient all-reduce gets ``gradient=True``;
-- ``loss_reduction="mean"`` (TF's default) makes every gradient of a mirrored value the
-  gradient of (1/N)·Σ_r loss_r; ``"sum"`` the gradient of Σ_r loss_r (JAX's own result);
-- a loss that the user already all-reduced inside the step (``rt.all_reduce(loss,
-  "mean")``, identical on every replica) is not scaled again: its gradient is the
-  gradient of that global loss, with either loss reduction;
-- a user ``all_reduce(sum)`` of a mirrored value (a gradient reduced a second time sums N
-  equal copies) gives a warning naming the source line;
+- no ``loss_scale`` op is left (lowering refuses one: a pipeline without this pass fails
+  instead of silently computing ``"sum"``). Gradient all-reduces stay sums (so buckets
+  merge them all); a ``"mean"`` shows as the division by N that follows;
+- every all-reduce made by transposition (the backward pass) gets ``gradient=True``;
+- a user ``all_reduce(sum)`` of a value already identical on every replica gives a warning
+  naming the source line (a sum multiplies it by N); a ``pmean`` does not;
 - with ``bucket_bytes > 0``, independent gradient all-reduces of one kind are merged
   into variadic all-reduces of at most that many bytes (see ``_bucket``).
-
-Why scaling each all-reduce is exact: ``jax.grad`` of a per-replica (varying) loss gives
-∇Σ_r loss_r, of a mirrored loss ∇L. Along any path from the loss back to a mirrored
-input, the cotangent crosses from varying to mirrored at a gradient all-reduce and back
-to varying at a ``cast_varying`` made while transposing a user's all-reduce of the
-forward pass (a synchronized batch-norm statistic, or the loss itself). A varying loss
-crosses once more to mirrored than back, a mirrored loss equally often. So with "mean",
-dividing at every gradient all-reduce by N (sum -> mean) and multiplying at every
-transposed ``cast_varying`` by N scales every path by exactly 1/N for a varying loss and
-by 1 for a mirrored one, however the paths mix before a reduction. (Deciding per
-all-reduce whether "the" cotangent came through a user reduction cannot be right when
-paths through the user's reduction and around it are summed before one all-reduce.)
-Ops inside the regions of a transposed op (the body of a transposed ``scan``, the
-backward of a ``jax.checkpoint``) count as transposed too, their own name stacks starting
-afresh; the forward pass a checkpoint recomputes there (``rematted_computation``) does not.
-
-Gradients of gradients (Hessian-vector products, MAML): every op records how many
-transpositions made it (``transpose(`` in its name stack). Gradient all-reduces at any
-depth become means: each is the gradient of a mean loss. A ``cast_varying`` at depth 2 is
-the transpose of a first-order gradient all-reduce, which is already a mean in the
-program being differentiated, so it is not scaled; only depth-1 casts (transposes of the
-user's forward all-reduces) are.
 """
 from __future__ import annotations
 
@@ -55,7 +39,7 @@ import numpy as np
 
 from compiler.errors import PassError
 from ir import _jax_compat as jc
-from ir.graph import Graph, Loc, Op, Value
+from ir.graph import Graph, Loc, Op, Rewriter, Value
 from ir.types import Replica, TensorType
 
 
@@ -64,45 +48,46 @@ from ir.types import Replica, TensorType
 _REMAT_FORWARD = "rematted_computation"
 
 
-def _transpose_depth(op: Op, enclosing: int) -> int:
-    """How many transpositions made ``op``: 0 for the forward pass, 1 for the backward pass
-    of ``jax.grad``, 2 for the backward pass of a gradient of a gradient. Ops in a
-    transposed op's regions have name stacks that start afresh, so ``enclosing`` (the
-    enclosing op's depth) is added, except for the forward pass a checkpoint recomputes."""
+def _transposed(op: Op, enclosing: bool) -> bool:
+    """Did transposition (a backward pass) make ``op``? Ops in a transposed op's regions
+    have name stacks that start afresh, so the enclosing op's answer carries over, except
+    for the forward pass a checkpoint recomputes there. Only labels all-reduces
+    (``gradient=True``, bucketing); no number depends on it."""
     stack = op.loc.name_stack if op.loc is not None else ""
     if _REMAT_FORWARD in stack:
-        return max(0, enclosing - 1) + stack.split(_REMAT_FORWARD, 1)[1].count("transpose(")
-    return enclosing + stack.count("transpose(")
-
-
-def _is_gradient_reduce(op: Op, depth: int) -> bool:
-    return op.name == "all_reduce" and op.attr("reduce") == "sum" and depth > 0
+        return "transpose(" in stack.split(_REMAT_FORWARD, 1)[1]
+    return enclosing or "transpose(" in stack
 
 
 @functools.cache
-def _mul_primitive() -> tuple[Any, tuple[tuple[str, Any], ...]]:
-    """JAX's multiply primitive and the parameters it is bound with (they change between
-    JAX versions, so they are read off a trace instead of written here)."""
-    eqn = jax.make_jaxpr(lambda a, b: a * b)(np.float32(1), np.float32(1)).jaxpr.eqns[0]
+def _primitive(name: str) -> tuple[Any, tuple[tuple[str, Any], ...]]:
+    """JAX's ``mul`` / ``div`` primitive and the parameters it is bound with (they change
+    between JAX versions, so they are read off a trace instead of written here)."""
+    fn = {"mul": lambda a, b: a * b, "div": lambda a, b: a / b}[name]
+    eqn = jax.make_jaxpr(fn)(np.float32(1), np.float32(1)).jaxpr.eqns[0]
     return eqn.primitive, tuple(eqn.params.items())
 
 
-def _is_inexact(v: Value) -> bool:
-    try:
-        return bool(jax.numpy.issubdtype(jc.dtype_from_name(v.type.dtype), jax.numpy.inexact))
-    except (TypeError, AttributeError):
-        return False
-
-
-def _scale_ops(result: Value, factor: int, loc: Loc | None) -> tuple[Value, list[Op]]:
-    """Ops computing ``result = fresh * factor``; returns ``fresh`` (to be produced in
-    place of ``result``) and the ops (a scalar constant and a multiply)."""
-    fresh = Value(result.type)
-    dtype = jc.dtype_from_name(result.type.dtype)
+def _scale_ops(x: Value, result: Value, power: int, n: int, loc: Loc | None) -> list[Op]:
+    """Ops computing ``result = x * n**power`` (``x / n**-power`` when negative)."""
     c = Value(TensorType((), result.type.dtype, Replica.MIRRORED))
-    prim, params = _mul_primitive()
-    return fresh, [Op("constant", (), (c,), (("value", np.asarray(factor, dtype)),)),
-                   Op(prim.name, (fresh, c), (result,), params, loc, impl=prim)]
+    dtype = jc.dtype_from_name(result.type.dtype)
+    prim, params = _primitive("mul" if power > 0 else "div")
+    return [Op("constant", (), (c,), (("value", np.asarray(n ** abs(power), dtype)),)),
+            Op(prim.name, (x, c), (result,), params, loc, impl=prim)]
+
+
+def _is_pmean(result: Value, users: list[Op], producers: dict[Value, Op], n: int) -> bool:
+    """Is every reader of an all-reduce's result a division by the replica count (a
+    ``pmean``, which leaves an identical value unchanged)?"""
+    for u in users:
+        if u.name != "div" or u.operands[0] is not result:
+            return False
+        c = producers.get(u.operands[1])
+        if c is None or c.name != "constant" or np.asarray(c.attr("value")).size != 1 \
+                or float(np.asarray(c.attr("value")).reshape(())) != n:
+            return False
+    return bool(users)
 
 
 def _nbytes(v: Value) -> int:
@@ -134,39 +119,42 @@ class CrossReplicaSumPass:
             graph = self._bucket(graph)
         return graph
 
-    def _rewrite(self, graph: Graph, enclosing_depth: int = 0) -> Graph:
-        ops: list[Op] = []
-        mean = self.loss_reduction == "mean" and self.num_replicas > 1
+    def _power(self, op: Op) -> int:
+        """The power of N that a ``loss_scale`` op multiplies by."""
+        reduction = -1 if self.loss_reduction == "mean" else 0
+        return int(op.attr("replicas", 0)) + reduction * int(op.attr("reduction", 0))
+
+    def _rewrite(self, graph: Graph, enclosing: bool = False) -> Graph:
+        rw = Rewriter(graph)
+        users = graph.users()
+        producers = graph.producers()
         for op in graph.ops:
-            depth = _transpose_depth(op, enclosing_depth)
-            if op.regions:
-                op = op.replace(regions=tuple(self._rewrite(g, depth) for g in op.regions))
-            if _is_gradient_reduce(op, depth):
-                op = op.with_attrs(reduce="mean" if mean else "sum", gradient=True)
-            elif op.name == "cast_varying" and depth == 1 and mean:
-                # the transpose of a user's all-reduce in the forward pass: undo one 1/N
-                # (see the module docstring). At depth 2 a cast is the transpose of a
-                # gradient all-reduce, already a mean: left as it is.
-                results, scale = [], []
-                for r in op.results:
-                    if not _is_inexact(r):  # integer cotangents (float0) carry nothing
-                        results.append(r)
-                        continue
-                    fresh, new_ops = _scale_ops(r, self.num_replicas, op.loc)
-                    results.append(fresh)
-                    scale.extend(new_ops)
-                ops.append(op.replace(results=tuple(results)))
-                ops.extend(scale)
+            transposed = _transposed(op, enclosing)
+            if op.name == "loss_scale":
+                power = self._power(op) if self.num_replicas > 1 else 0
+                (x,), (r,) = op.operands, op.results
+                if power == 0:
+                    rw.alias(r, rw.get(x))
+                else:
+                    for new in _scale_ops(rw.get(x), r, power, self.num_replicas, op.loc):
+                        rw.add(new)
                 continue
-            elif (op.name == "all_reduce" and op.attr("reduce") == "sum"
-                  and all(v.type.replica is Replica.MIRRORED for v in op.operands)):
-                where = f" ({op.loc})" if op.loc else ""
-                warnings.warn(f"all-reduce of a value that is already identical on every "
-                              f"replica{where}: a sum multiplies it by {self.num_replicas} (a "
-                              f"mean leaves it unchanged); gradients of mirrored values are "
-                              f"already all-reduced by replicate()", stacklevel=2)
-            ops.append(op)
-        return graph.replace(ops=tuple(ops))
+            if op.regions:
+                op = op.replace(regions=tuple(self._rewrite(g, transposed) for g in op.regions))
+            if op.name == "all_reduce" and op.attr("reduce") == "sum":
+                if transposed:
+                    op = op.with_attrs(gradient=True)
+                elif (all(v.type.replica is Replica.MIRRORED for v in op.operands)
+                      and not all(_is_pmean(r, users.get(r, []), producers, self.num_replicas)
+                                  for r in op.results)):
+                    where = f" ({op.loc})" if op.loc else ""
+                    warnings.warn(
+                        f"all-reduce of a value that is already identical on every "
+                        f"replica{where}: a sum multiplies it by {self.num_replicas} (a "
+                        f"mean leaves it unchanged); gradients of mirrored values are "
+                        f"already all-reduced by replicate()", stacklevel=2)
+            rw.emit(op)
+        return rw.finish()
 
     def _bucket(self, graph: Graph) -> Graph:
         """Merge independent gradient all-reduces (same reduce kind) into variadic ones.
