@@ -17,3 +17,9 @@ class ShardingError(PassError, ValueError):
 
     A ``ValueError`` too: it is the user's input that is wrong. The pass manager keeps
     this type when it adds which passes ran."""
+
+
+class DivergentCollectiveError(PassError, ValueError):
+    """A collective would run inside control flow whose predicate or trip count differs
+    between replicas (some replicas would never join it). A ``ValueError``: the user's
+    program must move the collective."""

@@ -184,6 +184,8 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
     length-N vector); mirrored ones are replicated over replicas. Over the model axes
     (K > 1) inputs and outputs take the shardings the ``sharding`` pass gave the graph's
     inputs and outputs; inside, the model axes are left to XLA's partitioner."""
+    from compiler.passes.hoist_collectives import check_no_divergent_collectives
+    check_no_divergent_collectives(graph)  # whatever the pipeline: never a hang
     k = logical_devices_of(mesh)
 
     def body(*xs):

@@ -98,7 +98,10 @@ class Op:
 
     ``attrs`` are ordered (key, value) pairs; ``regions`` are nested graphs referenced from
     attrs by :class:`RegionRef`; ``impl`` is the JAX primitive the op re-binds when it has
-    no lowering rule of its own (not printed, not compared)."""
+    no lowering rule of its own (not printed, not compared). ``traced_varying`` records,
+    per result, whether JAX's own trace typed it as varying across replicas (``None``
+    when unknown, e.g. parsed from text; not printed, not compared): the replication pass
+    trusts it only to prove an op it does not know identical on every replica."""
 
     name: str
     operands: tuple[Value, ...]
@@ -107,6 +110,7 @@ class Op:
     loc: Loc | None = None
     regions: tuple[Graph, ...] = ()
     impl: Any = field(default=None, compare=False, repr=False)
+    traced_varying: tuple[bool, ...] | None = field(default=None, compare=False, repr=False)
 
     def attr(self, key: str, default: Any = None) -> Any:
         for k, v in self.attrs:

@@ -124,15 +124,17 @@ class _Importer:
         name = eqn.primitive.name
         axes = eqn.params.get("axes", eqn.params.get("axis_name"))
         axes_t = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-        if name in _ALL_REDUCE and REPLICA_AXIS in axes_t:
+        if name in _ALL_REDUCE and REPLICA_AXIS in axes_t and \
+                eqn.params.get("axis_index_groups") is None:
             attrs = [("reduce", _ALL_REDUCE[name]), ("axes", axes_t)]
             name = "all_reduce"
         elif name in ("pvary", "pcast") and REPLICA_AXIS in axes_t:
             name = "cast_varying"
         elif name == "axis_index" and eqn.params.get("axis_name") == REPLICA_AXIS:
             name, attrs = "replica_id", []
+        traced = tuple(REPLICA_AXIS in jc.varying_axes(var.aval) for var in eqn.outvars)
         ops.append(Op(name, operands, tuple(results), tuple(attrs), loc, tuple(regions),
-                      impl=eqn.primitive))
+                      impl=eqn.primitive, traced_varying=traced))
 
     def attr(self, v: Any, regions: list[Graph]) -> Any:
         if isinstance(v, (jc.ClosedJaxpr, jc.Jaxpr)):

@@ -52,8 +52,9 @@ def test_inspect_writes_every_file(transformer_dir):
     for f in ("stablehlo.mlir", "hlo.txt", "report.json"):
         assert (out / f).stat().st_size > 0, f
     names = sorted(os.listdir(out / "ir"))
-    assert names == ["00-import.txt", "01-replication.txt", "02-cross-replica-sum.txt",
-                     "03-sharding.txt", "04-dce.txt"]
+    assert names == ["00-import.txt", "01-replication.txt", "02-hoist-collectives.txt",
+                     "03-cross-replica-sum.txt",
+                     "04-sharding.txt", "05-dce.txt"]
     for n in names:
         first = (out / "ir" / n).read_text().splitlines()[0]
         assert re.fullmatch(r"// pass: [\w-]+  time: [\d.]+ ms", first), first
@@ -185,12 +186,12 @@ def _ir(capsys, *argv) -> str:
 def test_ir_show_from_inspect_dir(transformer_dir, capsys):
     out, _ = transformer_dir
     text = _ir(capsys, "show", str(out), "--after", "sharding")
-    want = (out / "ir" / "03-sharding.txt").read_text().split("\n", 1)[1].strip()
+    want = (out / "ir" / "04-sharding.txt").read_text().split("\n", 1)[1].strip()
     assert text.startswith("// after pass: sharding\n")
     assert want in text
     listing = _ir(capsys, "show", str(out), "--list")
     assert [ln.split()[0] for ln in listing.splitlines()] == [
-        "import", "replication", "cross-replica-sum", "sharding", "dce"]
+        "import", "replication", "hoist-collectives", "cross-replica-sum", "sharding", "dce"]
 
 
 def test_ir_show_unknown_pass(transformer_dir, capsys):
@@ -333,7 +334,7 @@ def test_runtime_dumps_one_folder_per_compile(tmp_path, monkeypatch, via_env):
     subs = sorted(os.listdir(d))
     assert len(subs) == 2 and all(re.fullmatch(r"_dump_step-[0-9a-f]{10}", s) for s in subs)
     for s in subs:
-        for f in ("stablehlo.mlir", "hlo.txt", "report.json", "ir/00-import.txt", "ir/04-dce.txt"):
+        for f in ("stablehlo.mlir", "hlo.txt", "report.json", "ir/00-import.txt", "ir/05-dce.txt"):
             assert (d / s / f).exists(), (s, f)
         rep = json.loads((d / s / "report.json").read_text())
         assert rep["function"] == "_dump_step" and rep["num_replicas"] == 2

@@ -120,7 +120,7 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                         "report.json then gives the padding overhead")
     p.add_argument("-p", "--pipeline", default=None, metavar="PIPELINE",
                    help="comma-separated passes (default: the runtime's, "
-                        "replication,cross-replica-sum,sharding,dce)")
+                        "replication,hoist-collectives,cross-replica-sum,sharding,dce)")
     p.add_argument("--loss-reduction", choices=("mean", "sum"), default="mean",
                    help="how gradients of mirrored inputs are reduced (default: mean)")
     p.add_argument("--platform", default="cpu",

@@ -48,7 +48,7 @@ from ir.types import Replica, TensorType
 _REMAT_FORWARD = "rematted_computation"
 
 
-def _transposed(op: Op, enclosing: bool) -> bool:
+def transposed(op: Op, enclosing: bool) -> bool:
     """Did transposition (a backward pass) make ``op``? Ops in a transposed op's regions
     have name stacks that start afresh, so the enclosing op's answer carries over, except
     for the forward pass a checkpoint recomputes there. Only labels all-reduces
@@ -129,7 +129,7 @@ class CrossReplicaSumPass:
         users = graph.users()
         producers = graph.producers()
         for op in graph.ops:
-            transposed = _transposed(op, enclosing)
+            is_t = transposed(op, enclosing)
             if op.name == "loss_scale":
                 power = self._power(op) if self.num_replicas > 1 else 0
                 (x,), (r,) = op.operands, op.results
@@ -140,9 +140,9 @@ class CrossReplicaSumPass:
                         rw.add(new)
                 continue
             if op.regions:
-                op = op.replace(regions=tuple(self._rewrite(g, transposed) for g in op.regions))
+                op = op.replace(regions=tuple(self._rewrite(g, is_t) for g in op.regions))
             if op.name == "all_reduce" and op.attr("reduce") == "sum":
-                if transposed:
+                if is_t:
                     op = op.with_attrs(gradient=True)
                 elif (all(v.type.replica is Replica.MIRRORED for v in op.operands)
                       and not all(_is_pmean(r, users.get(r, []), producers, self.num_replicas)

@@ -2,10 +2,14 @@
 
 Contract: after this pass every value (regions included) has ``type.replica`` set.
 A value is ``mirrored`` when it is provably identical on every replica: mirrored inputs,
-constants, the results of ``all_reduce``/``all_gather``, and anything computed from
-mirrored values only. ``replica_id`` and per-replica inputs are ``varying``. Inputs whose
-variance is unknown count as varying. The runtime returns mirrored outputs as one array.
-Per-op rules are in ``RULES``; ops with regions use ``REGION_RULES``.
+constants, the results of ``all_reduce``/``all_gather``, and the results of ops known
+to be pure functions of their operands (``PURE``) when every operand is mirrored.
+``replica_id``, per-replica inputs and the results of ``ppermute``, ``psum_scatter`` and
+``all_to_all`` are ``varying``. Any other op is varying unless JAX's own trace typed its
+result invariant (JAX's varying-type system is sound, so that is a proof); an op parsed
+from text without that record is varying. Inputs whose variance is unknown count as
+varying. The runtime returns mirrored outputs as one array. Per-op rules are in ``RULES``;
+ops with regions use ``_region_rule``.
 """
 from __future__ import annotations
 
@@ -24,14 +28,59 @@ def _any(reps: list[Replica]) -> Replica:
 
 # op name -> (operand variances, op) -> result variances
 RULES: dict[str, Callable[[list[Replica], Op], list[Replica]]] = {
-    "all_reduce": lambda reps, op: [M] * len(op.results),
-    "all_gather": lambda reps, op: [M] * len(op.results),
+    # identical everywhere, unless only within groups of replicas (``axis_index_groups``)
+    "all_reduce": lambda reps, op: [V if op.attr("axis_index_groups") else M] * len(op.results),
+    "all_gather": lambda reps, op: [V if op.attr("axis_index_groups") else M] * len(op.results),
     "replica_id": lambda reps, op: [V] * len(op.results),
     "all_to_all": lambda reps, op: [V] * len(op.results),
+    # each replica gets its own block / its neighbour's value
+    "reduce_scatter": lambda reps, op: [V] * len(op.results),
+    "psum_scatter": lambda reps, op: [V] * len(op.results),
+    "ppermute": lambda reps, op: [V] * len(op.results),
+    "ragged_all_to_all": lambda reps, op: [V] * len(op.results),
     "constant": lambda reps, op: [M] * len(op.results),
     # a cast of a mirrored value to JAX's "varying" type is still identical everywhere
     "cast_varying": lambda reps, op: list(reps),
 }
+
+
+#: JAX primitives (and ops of ours) whose results are a pure function of their operands:
+#: identical operands on every replica give identical results. Everything else (callbacks,
+#: stateful RNG, refs, FFI calls, new primitives) is not assumed to be.
+PURE = frozenset("""
+abs acos acosh add add_any and argmax argmin asin asinh atan atan2 atanh bessel_i0e
+bessel_i1e bitcast_convert_type broadcast_in_dim broadcast_to cbrt ceil cholesky clamp clz
+complex concatenate conj conv_general_dilated convert_element_type copy copy_p cos cosh
+cumlogsumexp cummax cummin cumprod cumsum digamma div dot_general dynamic_slice
+dynamic_update_slice eig eigh eq erf erf_inv erfc exp exp2 expm1 fft floor gather ge geqrf gt
+householder_product igamma igamma_grad_a igammac imag integer_pow iota is_finite le lgamma
+log log1p logistic lt lu lu_pivots_to_permutation max min mul ne neg nextafter not or pad
+polygamma population_count pow qr random_bits random_fold_in random_gamma random_seed
+random_split random_unwrap random_wrap real reduce reduce_and reduce_max reduce_min
+reduce_or reduce_precision reduce_prod reduce_sum reduce_window reduce_window_max
+reduce_window_min reduce_window_sum reduce_xor regularized_incomplete_beta rem reshape rev
+rng_bit_generator round rsqrt scatter scatter-add scatter-max scatter-min scatter-mul
+scatter-sub select_and_gather_add select_and_scatter select_and_scatter_add select_n
+shift_left shift_right_arithmetic shift_right_logical sign sin sinh slice sort split sqrt
+square squeeze stop_gradient sub svd tan tanh threefry2x32 tile top_k transpose
+triangular_solve tridiagonal tridiagonal_solve xor zeta approx_top_k optimization_barrier
+device_put zeros_like schur hessenberg symmetric_product ormqr geqp3 mulhi philox2x32
+philox4x32 ragged_dot_general
+shard loss_scale pad_mask pad_index dim_value dim_as_value dimension_size
+""".split())
+
+
+def _default_rule(reps: list[Replica], op: Op) -> list[Replica]:
+    """Ops without a rule: pure ones vary where an operand does; others are varying unless
+    JAX's trace typed the result invariant."""
+    if V in reps:
+        return [V] * len(op.results)
+    if op.name in PURE:
+        return [M] * len(op.results)
+    traced = op.traced_varying
+    if traced is None or len(traced) != len(op.results):
+        return [V] * len(op.results)
+    return [V if t else M for t in traced]
 
 
 def annotate(graph: Graph, in_reps: list[Replica]) -> tuple[Graph, list[Replica]]:
@@ -50,8 +99,8 @@ def annotate(graph: Graph, in_reps: list[Replica]) -> tuple[Graph, list[Replica]
         if op.regions:
             out_reps, regions = _region_rule(op, reps)
         else:
-            rule = RULES.get(op.name)
-            out_reps = rule(reps, op) if rule else [_any(reps)] * len(op.results)
+            rule = RULES.get(op.name, _default_rule)
+            out_reps = rule(reps, op)
         results = []
         for r, o in zip(op.results, out_reps):
             rep[r] = o
