@@ -83,8 +83,7 @@ def _is_gradient_reduce(op: Op, depth: int) -> bool:
 def _mul_primitive() -> tuple[Any, tuple[tuple[str, Any], ...]]:
     """JAX's multiply primitive and the parameters it is bound with (they change between
     JAX versions, so they are read off a trace instead of written here)."""
-    eqn = jax.make_jaxpr(lambda a, b: a * b)(np.float32(1), np.float32(1)).jaxpr.eqns[0]
-    return eqn.primitive, tuple(eqn.params.items())
+    return jc.traced_primitive(lambda a, b: a * b, np.float32(1), np.float32(1))
 
 
 def _is_inexact(v: Value) -> bool:
