@@ -28,8 +28,8 @@ LOWERING_RULES: dict[str, Rule] = {}
 # ops that call their region 0 with their operands: inlined (forward semantics are exact)
 # (``jit`` is jax>=0.10's name for ``pjit``; ``remat2`` is not inlined: it keeps XLA from
 # CSE-ing the recomputation away.)
-CALL_LIKE = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                       "checkpoint", "remat", "custom_vjp_call_jaxpr", "named_call"})
+CALL_LIKE = frozenset({"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "checkpoint", "remat",
+                       "custom_vjp_call_jaxpr", "named_call"}) | jc.CALL_PRIMITIVES
 
 
 def rule(*names: str):
@@ -121,10 +121,11 @@ def _rebuild(ref: RegionRef, op: Op) -> Any:
     closed = jc.make_jaxpr_from(lambda *xs: eval_graph(region, list(xs)), avals)
     if ref.closed:
         return closed
-    if closed.consts:
+    jaxpr, consts = jc.jaxpr_parts(closed)
+    if consts:
         raise LoweringError(f"{op.name}: region ^{ref.index} captured constants but the "
                             f"primitive takes an open jaxpr ({op.loc})")
-    return closed.jaxpr
+    return jaxpr
 
 
 def _param(v: Any, op: Op) -> Any:
@@ -146,7 +147,7 @@ def _bind(op: Op, args: list[Any]) -> list[Any]:
     if prim is None:
         raise LoweringError(f"no lowering rule and no JAX primitive named {op.name!r} ({op.loc})")
     params = {k: _param(v, op) for k, v in op.attrs if k not in NOTE_ATTRS}
-    out = prim.bind(*args, **params)
+    out = prim.bind(*args, **jc.bind_params(prim.name, params, len(args)))
     return list(out) if prim.multiple_results else [out]
 
 

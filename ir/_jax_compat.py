@@ -1,6 +1,16 @@
 """Every use of JAX internals lives here, so a JAX upgrade touches one file.
 
-Tested against the JAX that ``pip install jax`` gives on this machine (0.10.x)."""
+Supports jax 0.10.x and 0.11.x. The differences this module hides (see JAX's CHANGELOG):
+
+- 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (consts attached to the jaxpr):
+  :func:`is_jaxpr`, :func:`jaxpr_parts`, :func:`is_closed_jaxpr_param`.
+- 0.11's ``scan`` has FlatTree params ``ft_in``/``ft_out`` instead of ``num_consts``/
+  ``num_carry``: :func:`import_params` gives the IR 0.10's spelling on both versions and
+  :func:`bind_params` turns it back into what the installed JAX binds.
+- 0.11 renamed ``closed_call``/``call`` to ``eval_jaxpr``: :data:`CALL_PRIMITIVES`.
+- ``jit``'s ``inline`` param is a ``jax.Inline`` enum on 0.11 (a bool before), and
+  ``shard_map``'s ``manual_axes`` is ``newly_manual_axes`` from 0.10.2 on; nothing here
+  reads either (they stay opaque attributes)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,12 +23,93 @@ import numpy as np
 from jax._src import core as _core
 from jax._src import source_info_util as _siu
 
+#: the installed JAX as (major, minor, patch)
+JAX_VERSION: tuple[int, ...] = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
+
 Literal = _core.Literal
-ClosedJaxpr = _core.ClosedJaxpr
+ClosedJaxpr = _core.ClosedJaxpr  # jax >= 0.11: an alias of Jaxpr
 Jaxpr = _core.Jaxpr
 Primitive = _core.Primitive
 ShapedArray = _core.ShapedArray
 DropVar = _core.DropVar
+
+# -- jaxprs as primitive parameters ----------------------------------------------------
+# jax 0.11 merged ClosedJaxpr into Jaxpr: every jaxpr may carry consts, and the type no
+# longer says whether a primitive takes its parameter closed (consts bound with it) or
+# open (no consts: remat2, shard_map). These are the open ones, as jax 0.10 types them.
+_MERGED_JAXPR = ClosedJaxpr is Jaxpr
+_OPEN_JAXPR_PARAMS = frozenset({
+    ("remat2", "jaxpr"), ("checkpoint", "jaxpr"), ("shard_map", "jaxpr"),
+    ("run_state", "jaxpr"), ("core_call", "call_jaxpr"), ("call", "call_jaxpr"),
+    ("xla_pmap", "call_jaxpr")})
+
+#: names JAX has given its generic call primitive (``core.closed_call``/``core.call``;
+#: ``eval_jaxpr`` from jax 0.11 on): region 0 takes the operands and gives the results
+CALL_PRIMITIVES = frozenset({"closed_call", "core_call", "call", "eval_jaxpr"})
+
+
+def is_jaxpr(v: Any) -> bool:
+    """A jaxpr (closed or open) used as a primitive parameter."""
+    return isinstance(v, (ClosedJaxpr, Jaxpr))
+
+
+def is_closed_jaxpr_param(primitive: str, param: str, v: Any) -> bool:
+    """Whether primitive ``primitive`` takes its jaxpr-valued parameter ``param`` closed
+    (consts bound with it) rather than open, the same answer on jax 0.10 and 0.11."""
+    if not _MERGED_JAXPR:
+        return isinstance(v, ClosedJaxpr)
+    return (primitive, param) not in _OPEN_JAXPR_PARAMS
+
+
+def jaxpr_parts(v: Any) -> tuple[Any, list[Any]]:
+    """``(jaxpr, consts)``: the jaxpr's ``constvars`` take ``consts``, its ``invars`` the
+    operands (``consts`` is empty for an open jaxpr)."""
+    if _MERGED_JAXPR:  # jax >= 0.11 (whose legacy ``.jaxpr`` accessor is to be removed)
+        return v, list(v.consts)
+    if isinstance(v, ClosedJaxpr):
+        return v.jaxpr, list(v.consts)
+    return v, []
+
+
+# -- primitive parameters that changed spelling ------------------------------------------
+_SCAN_HAS_FLATTREES = JAX_VERSION >= (0, 11)
+
+
+def import_params(primitive: str, params: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A primitive's parameters as the IR keeps them, spelled as in jax 0.10 whichever
+    JAX traced them, so the IR (and its text) does not depend on the JAX version.
+
+    jax 0.11's ``scan`` has ``ft_in``/``ft_out`` (FlatTrees of (consts, carry, xs) and
+    (carry, ys)) where 0.10 has ``num_consts``/``num_carry``; :func:`bind_params` is the
+    inverse."""
+    items = list(params.items())
+    if primitive == "scan" and "ft_in" in params:
+        nc, ncarry, _ = (len(g) for g in params["ft_in"].unpack())
+        out: list[tuple[str, Any]] = []
+        for k, v in items:
+            if k == "ft_in":
+                out += [("num_consts", nc), ("num_carry", ncarry)]
+            elif k != "ft_out":
+                out.append((k, v))
+        return out
+    return items
+
+
+def _scan_flattrees(num_args: int, num_outs: int, nc: int, ncarry: int) -> dict[str, Any]:
+    from jax._src import flattree as ft
+    return {"ft_in": ft.pack((ft.nones(nc), ft.nones(ncarry), ft.nones(num_args - nc - ncarry))),
+            "ft_out": ft.pack((ft.nones(ncarry), ft.nones(num_outs - ncarry)))}
+
+
+def bind_params(primitive: str, params: dict[str, Any], num_args: int) -> dict[str, Any]:
+    """The parameters to bind ``primitive`` with on the installed JAX, from the IR's
+    (:func:`import_params`) spelling; ``num_args`` is the number of operands."""
+    if primitive == "scan" and _SCAN_HAS_FLATTREES and "num_consts" in params:
+        params = dict(params)
+        nc, ncarry = params.pop("num_consts"), params.pop("num_carry")
+        num_outs = len(jaxpr_parts(params["jaxpr"])[0].outvars)
+        params.update(_scan_flattrees(num_args, num_outs, nc, ncarry))
+    return params
 
 # Frames inside this project's own packages are not the user's source line.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +224,14 @@ def make_jaxpr_from(fn, avals: list[Any]) -> ClosedJaxpr:
     return jax.make_jaxpr(fn)(*avals)
 
 
+def traced_primitive(fn, *args: Any) -> tuple[Primitive, tuple[tuple[str, Any], ...]]:
+    """The primitive of the first equation of ``fn``'s jaxpr on ``args`` and its parameters
+    (read off a trace: their spelling changes between JAX versions)."""
+    jaxpr, _ = jaxpr_parts(jax.make_jaxpr(fn)(*args))
+    eqn = jaxpr.eqns[0]
+    return eqn.primitive, tuple(eqn.params.items())
+
+
 def fast_callable(compiled: Any) -> Any:
     """The C++ dispatch function behind a ``jax.stages.Compiled`` (skips one Python frame
     per call); falls back to ``compiled.__call__``."""
@@ -202,10 +301,39 @@ def _install_carry_promotion() -> None:
     loops._promote_weak_typed_input = promote
 
 
+# -- calls of a jaxpr that drop per-replica types (jax >= 0.11) -------------------------
+# From jax 0.11.1 on, calling a ``jax.jit(g).trace(...)`` object binds ``eval_jaxpr``
+# (0.10 evaluated the jaxpr inline), whose abstract eval returns the callee's output types
+# as they were traced, without the varying axes of its operands. Under
+# shard_map(check_vma=True) a value computed from per-replica data is then typed
+# mirrored, and a gradient that flows through it misses its cross-replica sum: plain
+# jax 0.11.2 returns one replica's local gradient. While we trace a replica (and only
+# then), such a call whose operands vary where the callee's inputs do not is evaluated
+# inline, as jax 0.10 did: the same numbers, with JAX's types right.
+def _install_call_inlining() -> None:
+    prim = getattr(_core, "eval_jaxpr_p", None)
+    if prim is None or getattr(prim.bind, "_replicate_hlo", False):
+        return
+    orig = prim.bind
+
+    def bind(*args, call_jaxpr, **params):
+        if _VARYING_CARRIES.get() and any(
+                varying_axes(jax.typeof(a)) - varying_axes(v.aval)
+                for a, v in zip(args, call_jaxpr.invars)):
+            return _core.jaxpr_as_fun(call_jaxpr)(*args)
+        return orig(*args, call_jaxpr=call_jaxpr, **params)
+
+    bind._replicate_hlo = True
+    prim.bind = bind
+
+
 @contextlib.contextmanager
 def varying_loop_carries():
-    """While active, loop carries that start mirrored but become varying are cast."""
+    """While active (tracing one replica), loop carries that start mirrored but become
+    varying are cast, and a call of a jaxpr whose operands vary where the callee's inputs
+    do not is evaluated inline (see above): both keep JAX's per-replica types right."""
     _install_carry_promotion()
+    _install_call_inlining()
     token = _VARYING_CARRIES.set(True)
     try:
         yield
@@ -276,33 +404,41 @@ def install_vjp_hook(policy: Any) -> None:
         return
     state = _grad_mode_state()
 
-    def hooked(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
-               maybe_accums, out_ct):
+    def hooked(*args):
+        # 0.10 / 0.11.0: (in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
+        # maybe_accums, out_ct); 0.11.2: (in_tree, out_tree, out_zeros, jaxpr,
+        # out_primal_avals, want_logs, residuals, structured_res, maybe_accums, out_ct),
+        # returning (arg_cts, logs) when want_logs is set
         if state.value != "replica" or _VJP_POLICY is None:
-            return orig(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
-                        maybe_accums, out_ct)
+            return orig(*args)
+        jaxpr, out_primal_avals, out_ct = args[3], args[4], args[-1]
+        want_logs = len(args) == 10 and bool(args[5])
         is_zero = lambda x: isinstance(x, ad.Zero)
         cts, ct_tree = jax.tree_util.tree_flatten(out_ct, is_leaf=is_zero)
         if len(cts) != len(out_primal_avals):  # a malformed seed: JAX's own error
-            return orig(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
-                        maybe_accums, out_ct)
+            return orig(*args)
         out_varying = [varying_axes(a) for a in out_primal_avals]
         in_varying = [varying_axes(v.aval) for v in jaxpr.invars]
-        placeholders = (api.DidntWant, api.GradRef)
+        placeholders = tuple(getattr(api, n) for n in ("DidntWant", "GradRef") if hasattr(api, n))
+        logs = []
 
         def run(new_cts):
             seeds = [c if n is None else n for c, n in zip(cts, new_cts)]
             with state("backward"):
-                res = orig(in_tree, out_tree, out_known, jaxpr, out_primal_avals, residuals,
-                           maybe_accums, jax.tree_util.tree_unflatten(ct_tree, seeds))
+                res = orig(*args[:-1], jax.tree_util.tree_unflatten(ct_tree, seeds))
+            if want_logs:
+                res, log = res
+                logs.append(log)
             leaves, tree = jax.tree_util.tree_flatten(
                 res, is_leaf=lambda x: isinstance(x, placeholders))
-            run.tree = tree
+            run.tree, run.leaves = tree, leaves
             return [None if isinstance(x, placeholders) else x for x in leaves]
 
         out = _VJP_POLICY([None if is_zero(c) else c for c in cts], out_varying,
                           in_varying, run)
-        return jax.tree_util.tree_unflatten(run.tree, out)
+        out = [x if isinstance(x, placeholders) else o for o, x in zip(out, run.leaves)]
+        arg_cts = jax.tree_util.tree_unflatten(run.tree, out)
+        return (arg_cts, logs[0]) if want_logs else arg_cts
 
     hooked._replicate_hlo = True
     api._vjp3_bwd = hooked
@@ -334,3 +470,14 @@ def define_scale_primitive(name: str) -> Primitive:
     batching.primitive_batchers[p] = lambda args, dims, **params: (p.bind(args[0], **params), dims[0])
     mlir.register_lowering(p, lowering)
     return p
+
+
+# -- multi-process ----------------------------------------------------------------------
+def distributed_initialized() -> bool:
+    """Whether ``jax.distributed.initialize`` has run in this process (JAX has no public
+    query for it in 0.10 or 0.11)."""
+    try:
+        from jax._src import distributed as _d
+        return _d.global_state.client is not None
+    except Exception:  # noqa: BLE001 - the private state moved: assume not initialized
+        return False

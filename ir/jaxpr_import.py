@@ -95,12 +95,11 @@ class _Importer:
         outputs = [self.read(a, ops) for a in jaxpr.outvars]
         return Graph(tuple(inputs), tuple(ops), tuple(outputs), name)
 
-    def region(self, param: Any) -> Graph:
-        if isinstance(param, jc.ClosedJaxpr):
-            return _Importer().graph(param.jaxpr, param.consts, "region")
-        if param.constvars:
+    def region(self, param: Any, closed: bool) -> Graph:
+        jaxpr, consts = jc.jaxpr_parts(param)
+        if not closed and (consts or jaxpr.constvars):
             raise ImportError_("open jaxpr parameters with constvars are not supported")
-        return _Importer().graph(param, [], "region")
+        return _Importer().graph(jaxpr, consts, "region")
 
     def eqn(self, eqn: Any, ops: list[Op]) -> None:
         operands = tuple(self.read(a, ops) for a in eqn.invars)
@@ -119,9 +118,9 @@ class _Importer:
             loc = Loc("<unknown>", 0, stack)
         regions: list[Graph] = []
         attrs: list[tuple[str, Any]] = []
-        for k, v in eqn.params.items():
-            attrs.append((k, self.attr(v, regions)))
         name = eqn.primitive.name
+        for k, v in jc.import_params(name, eqn.params):
+            attrs.append((k, self.attr(v, regions, name, k)))
         axes = eqn.params.get("axes", eqn.params.get("axis_name"))
         axes_t = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
         if name in _ALL_REDUCE and REPLICA_AXIS in axes_t and \
@@ -136,14 +135,15 @@ class _Importer:
         ops.append(Op(name, operands, tuple(results), tuple(attrs), loc, tuple(regions),
                       impl=eqn.primitive, traced_varying=traced))
 
-    def attr(self, v: Any, regions: list[Graph]) -> Any:
-        if isinstance(v, (jc.ClosedJaxpr, jc.Jaxpr)):
-            regions.append(self.region(v))
-            return RegionRef(len(regions) - 1, closed=isinstance(v, jc.ClosedJaxpr))
-        if (isinstance(v, tuple) and any(isinstance(x, (jc.ClosedJaxpr, jc.Jaxpr)) for x in v)
-                and all(x is None or isinstance(x, (jc.ClosedJaxpr, jc.Jaxpr)) for x in v)):
+    def attr(self, v: Any, regions: list[Graph], primitive: str, param: str) -> Any:
+        if jc.is_jaxpr(v):
+            closed = jc.is_closed_jaxpr_param(primitive, param, v)
+            regions.append(self.region(v, closed))
+            return RegionRef(len(regions) - 1, closed=closed)
+        if (isinstance(v, tuple) and any(jc.is_jaxpr(x) for x in v)
+                and all(x is None or jc.is_jaxpr(x) for x in v)):
             # cond's branches; custom_linear_solve's NamedTuple of jaxprs (type kept)
-            items = [None if x is None else self.attr(x, regions) for x in v]
+            items = [None if x is None else self.attr(x, regions, primitive, param) for x in v]
             return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
         if jc.is_sharding(v):
             # Shardings inside a replica's program name the trace's abstract mesh; the
@@ -155,6 +155,5 @@ class _Importer:
 def import_jaxpr(closed: Any, name: str = "main",
                  input_replica: list[Replica | None] | None = None) -> Graph:
     """Import a ``ClosedJaxpr`` (or open ``Jaxpr`` without constvars) as a :class:`Graph`."""
-    if isinstance(closed, jc.ClosedJaxpr):
-        return _Importer().graph(closed.jaxpr, closed.consts, name, input_replica)
-    return _Importer().graph(closed, [], name, input_replica)
+    jaxpr, consts = jc.jaxpr_parts(closed)
+    return _Importer().graph(jaxpr, consts, name, input_replica)

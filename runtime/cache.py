@@ -7,7 +7,6 @@ options and the mesh with its device order. The function itself is implicit: eac
 the first builds, the others wait for its result (or its exception)."""
 from __future__ import annotations
 
-import copy
 import itertools
 import threading
 from concurrent.futures import Future
@@ -111,7 +110,9 @@ class ExecutableCache:
 
     def info(self) -> CacheInfo:
         """Hits, misses and the number of entries."""
-        fast = next(copy.copy(self._fast_hits))  # the count's current value, unconsumed
+        # the count's current value, unconsumed: its repr is ``count(N)`` (copying an
+        # itertools.count is deprecated in Python 3.13 and gone in 3.14)
+        fast = int(repr(self._fast_hits)[len("count("):-1])
         return CacheInfo(self.hits + fast, self.misses, len(self._entries), self.disk_hits,
                          self.disk_writes)
 

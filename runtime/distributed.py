@@ -59,8 +59,5 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 def _initialized() -> bool:
-    try:
-        from jax._src import distributed as _d  # noqa: PLC0415  (no public query in jax 0.10)
-        return _d.global_state.client is not None
-    except Exception:
-        return False
+    from ir import _jax_compat as jc  # noqa: PLC0415
+    return jc.distributed_initialized()

@@ -13,7 +13,6 @@ import runtime as rt
 from runtime.dynamic import AutoBuckets, distribute_uneven, make_bucketer
 
 N = 4
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
 
 def _layernorm(x):
@@ -178,18 +177,11 @@ def _check_golden(name: str, lowered, passes) -> str:
     file's name and line numbers normalized, equals ``tests/golden/<name>``
     (``UPDATE_GOLDEN=1`` rewrites it)."""
     import re
-    from irtest import check_roundtrip
+    from irtest import check_golden, check_roundtrip
     parts = [f"// {p}\n{check_roundtrip(lowered.ir(after=p))}\n" for p in passes]
     text = "".join(parts).replace(os.path.basename(__file__), "model.py")
     text = re.sub(r"model\.py:\d+", "model.py:N", text)
-    path = os.path.join(GOLDEN, name)
-    if os.environ.get("UPDATE_GOLDEN"):
-        with open(path, "w") as f:
-            f.write(text)
-    assert os.path.exists(path), f"missing golden file {path}: run with UPDATE_GOLDEN=1"
-    with open(path) as f:
-        assert text == f.read()
-    return text
+    return check_golden(name, text)
 
 
 def test_static_path_untouched():

@@ -3,7 +3,8 @@
 The programs below run on the 8 virtual CPU devices; every expected number (kind,
 count, bytes, groups, source line) is computed here from the program, not copied from
 the HLO. Synthetic lines cover forms the CPU backend does not print (async pairs, names
-without ``%``, inline source locations, iota and mesh-axes replica groups).
+without ``%``, inline source locations, iota and mesh-axes replica groups), and lines of
+one program as jax 0.10.2 and 0.11.2 print it (explicit and mesh-axes groups).
 """
 from __future__ import annotations
 
@@ -229,6 +230,42 @@ def test_async_pairs_count_once_with_done_shape() -> None:
     assert (cp.source_file, cp.source_line) == (None, None)
     assert not sync.is_async and sync.replica_groups == () and sync.bytes == 256
     assert sync.op_name == 'q"uoted' and sync.shape == "bf16[8,16]"
+
+
+# The same shard_map program on the (2, 4) mesh ('a', 'b'), as XLA's CPU backend prints it
+# under jax 0.10.2 (explicit groups) and 0.11.2 (mesh-axes groups, ``jax_use_rgv3``):
+# psum over 'b', psum over ('a', 'b'), all_gather over 'a', psum_scatter and all_to_all
+# over 'b'. Lines copied from ``compiled.as_text()``.
+_HLO_BY_JAX = {
+    "0.10.2": """\
+  %psum_invariant.14 = f32[16,4]{1,0} all-reduce(%param.1), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%region_0.0, metadata={op_name="jit(f)/shard_map/psum_invariant" stack_frame_id=12}
+  %psum_invariant.15 = f32[16,4]{1,0} all-reduce(%param.1), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_2.0, metadata={op_name="jit(f)/shard_map/psum_invariant" stack_frame_id=17}
+  %all_gather.3 = f32[32,4]{1,0} all-gather(%psum_invariant.14), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(f)/shard_map/all_gather" stack_frame_id=13}
+  %reduce_scatter.7 = f32[8,4]{1,0} reduce-scatter(%all_gather.3), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, dimensions={0}, to_apply=%region_1.0, metadata={op_name="jit(f)/shard_map/reduce_scatter" stack_frame_id=14}
+  %all-to-all = (f32[2,4]{1,0}, f32[2,4]{1,0}, f32[2,4]{1,0}, f32[2,4]{1,0}) all-to-all(%wrapped_slice, %wrapped_slice.1, %wrapped_slice.2, %wrapped_slice.3), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, metadata={op_name="jit(f)/shard_map/all_to_all" stack_frame_id=15}
+""",
+    "0.11.2": """\
+  %psum_invariant.14 = f32[16,4]{1,0} all-reduce(%param.1), channel_id=1, replica_groups=mesh['a'=2,'b'=4] {'b'}, use_global_device_ids=true, to_apply=%region_0.0, metadata={op_name="jit(f)/shard_map/psum_invariant" stack_frame_id=12}
+  %psum_invariant.15 = f32[16,4]{1,0} all-reduce(%param.1), channel_id=1, replica_groups=mesh['a'=2,'b'=4] {'a','b'}, use_global_device_ids=true, to_apply=%region_2.0, metadata={op_name="jit(f)/shard_map/psum_invariant" stack_frame_id=17}
+  %all_gather.3 = f32[32,4]{1,0} all-gather(%psum_invariant.14), channel_id=1, replica_groups=mesh['a'=2,'b'=4] {'a'}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(f)/shard_map/all_gather" stack_frame_id=13}
+  %reduce_scatter.7 = f32[8,4]{1,0} reduce-scatter(%all_gather.3), channel_id=1, replica_groups=mesh['a'=2,'b'=4] {'b'}, use_global_device_ids=true, dimensions={0}, to_apply=%region_1.0, metadata={op_name="jit(f)/shard_map/reduce_scatter" stack_frame_id=14}
+  %all-to-all = (f32[2,4]{1,0}, f32[2,4]{1,0}, f32[2,4]{1,0}, f32[2,4]{1,0}) all-to-all(%wrapped_slice, %wrapped_slice.1, %wrapped_slice.2, %wrapped_slice.3), channel_id=1, replica_groups=mesh['a'=2,'b'=4] {'b'}, metadata={op_name="jit(f)/shard_map/all_to_all" stack_frame_id=15}
+""",
+}
+
+
+@pytest.mark.parametrize("version", sorted(_HLO_BY_JAX))
+def test_replica_groups_as_each_jax_prints_them(version: str) -> None:
+    """Both spellings of one program's groups read as the same explicit groups, computed
+    here from the mesh (rows of ids vary along 'b', columns along 'a')."""
+    text = "ENTRY %main (p: f32[16,4]) -> f32[16,4] {\n" + _HLO_BY_JAX[version] + "}\n"
+    got = [(c.kind, c.replica_groups, c.bytes) for c in collectives(text)]
+    both = (tuple(range(8)),)
+    assert got == [("all-reduce", _groups_over(1), 16 * 4 * F32),
+                   ("all-reduce", both, 16 * 4 * F32),
+                   ("all-gather", _groups_over(0), 32 * 4 * F32),
+                   ("reduce-scatter", _groups_over(1), 8 * 4 * F32),
+                   ("all-to-all", _groups_over(1), 4 * 2 * 4 * F32)]
 
 
 def test_names_without_percent() -> None:

@@ -124,6 +124,29 @@ def case_scan_rnn_grad():
     return f, [_normal((3,), 7), _normal((3, 3), 8) * 0.5, _normal((5, 3), 9)]
 
 
+def case_scan_consts_forwarded_ys():
+    # a closed-over operand (a scan const), two carries, a ys that is an xs element as is
+    # (jax 0.11 forwards it: the scan's jaxpr and results leave it out) and a computed ys
+    def f(w, h, xs):
+        def body(carry, x):
+            h, n = carry
+            h = jnp.tanh(w @ h + x)
+            return (h, n + 1), (x, h * 2.0)
+        return lax.scan(body, (h, jnp.int32(0)), xs)
+    return f, [_normal((3, 3), 40) * 0.5, _normal((3,), 41), _normal((4, 3), 42)]
+
+
+def case_traced_call():
+    # calling a ``jax.jit(g).trace(...)`` object: jax 0.11 binds its generic call primitive
+    # (``eval_jaxpr``, ``closed_call`` before) with a jaxpr that carries a captured array
+    table = _normal((3,), 43)
+    traced = jax.jit(lambda x: jnp.sin(x) * table).trace(jax.ShapeDtypeStruct((3,), jnp.float32))
+
+    def f(w, x):
+        return traced(x * w), jax.grad(lambda w: jnp.sum(traced(x * w) ** 2))(w)
+    return f, [_normal((3,), 44), _normal((3,), 45)]
+
+
 def case_relu_gelu():
     def f(x):
         return jax.nn.relu(x) + jax.nn.gelu(x) + jax.nn.gelu(x, approximate=False)
@@ -495,7 +518,8 @@ def test_pipeline_preserves_semantics(name):
 
 
 PARSED_LOWERABLE = {"bf16_matmul_grad", "checkpoint", "closure_consts_and_literals", "cond",
-                    "cond_false_and_switch", "dtype_casts", "scan_rnn", "scan_rnn_grad",
+                    "cond_false_and_switch", "dtype_casts", "scan_consts_forwarded_ys",
+                    "scan_rnn", "scan_rnn_grad", "traced_call",
                     "unsigned_and_bool", "vmap", "while"}
 
 
@@ -517,3 +541,15 @@ def test_graph_parsed_from_text_lowers(name):
         assert "was parsed from text and cannot be rebuilt" in str(e)
         return
     _assert_same(got, want, exact=False)
+
+
+def test_scan_attributes_read_the_same_on_every_jax():
+    """jax 0.11's scan has FlatTree params (``ft_in``/``ft_out``) where 0.10 has counts:
+    the IR spells them as counts on both, so passes and text do not depend on JAX."""
+    fn, args = CASES["scan_consts_forwarded_ys"]()
+    (op,) = [op for op, _ in import_jaxpr(jax.make_jaxpr(fn)(*args)).walk() if op.name == "scan"]
+    assert [k for k, _ in op.attrs] == ["reverse", "length", "jaxpr", "num_consts",
+                                        "num_carry", "unroll"]
+    assert (op.attr("num_consts"), op.attr("num_carry"), op.attr("length")) == (1, 2, 4)
+    assert len(op.operands) == 1 + 2 + 1
+    assert len(op.results) == len(op.regions[0].outputs)

@@ -2,10 +2,10 @@
 compare the printed result with ``tests/golden/NAME.out.txt``.
 
 ``UPDATE_GOLDEN=1 pytest tests/test_passes_golden.py`` rewrites the expected files; read
-the diff before committing it."""
+the diff before committing it. Inputs we own give the same text on every JAX; the traced
+step's golden may have a per-JAX copy (``tests.irtest.golden_path``)."""
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
@@ -22,21 +22,13 @@ from ir.parser import parse
 from ir.printer import print_graph
 from ir.types import Replica
 from tests import golden_models
-from tests.irtest import check_roundtrip
+from tests.irtest import check_golden, check_roundtrip
 
 GOLDEN = Path(__file__).parent / "golden"
-UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 
 
 def _compare(name: str, graph: Graph) -> str:
-    text = check_roundtrip(graph) + "\n"
-    path = GOLDEN / f"{name}.out.txt"
-    if UPDATE:
-        path.write_text(text)
-    assert path.exists(), f"{path} is missing; run with UPDATE_GOLDEN=1 to create it"
-    expected = path.read_text()
-    assert text == expected, f"{name}: output differs from {path} (UPDATE_GOLDEN=1 rewrites it)"
-    return text
+    return check_golden(f"{name}.out.txt", check_roundtrip(graph) + "\n")
 
 
 # (golden name, input file, pipeline, options)
@@ -165,16 +157,43 @@ def test_traced_sgd_step_computes_the_mean_gradient():
 
 
 def test_update_golden_mode_rewrites_and_compare_fails_on_difference(tmp_path, monkeypatch):
-    import tests.test_passes_golden as me
-    graph = parse((GOLDEN / "dce.in.txt").read_text())
-    monkeypatch.setattr(me, "GOLDEN", tmp_path)
-    monkeypatch.setattr(me, "UPDATE", True)
-    me._compare("x", graph)
-    assert (tmp_path / "x.out.txt").read_text() == print_graph(graph) + "\n"
-    monkeypatch.setattr(me, "UPDATE", False)
-    me._compare("x", graph)
-    (tmp_path / "x.out.txt").write_text(print_graph(graph).replace("sin", "cos") + "\n")
+    from tests import irtest
+    text = print_graph(parse((GOLDEN / "dce.in.txt").read_text())) + "\n"
+    monkeypatch.setattr(irtest, "GOLDEN", tmp_path)
+    monkeypatch.setattr(irtest.jc, "JAX_VERSION", (*irtest.BASE_JAX, 0))
+    monkeypatch.setenv("UPDATE_GOLDEN", "1")
+    irtest.check_golden("x.out.txt", text)
+    assert (tmp_path / "x.out.txt").read_text() == text
+    monkeypatch.delenv("UPDATE_GOLDEN")
+    irtest.check_golden("x.out.txt", text)
     with pytest.raises(AssertionError, match="output differs"):
-        me._compare("x", graph)
+        irtest.check_golden("x.out.txt", text.replace("sin", "cos"))
     with pytest.raises(AssertionError, match="missing"):
-        me._compare("absent", graph)
+        irtest.check_golden("absent.out.txt", text)
+
+
+def test_golden_copy_per_jax_version(tmp_path, monkeypatch):
+    """Another JAX falls back to the base golden and keeps its own copy only where its
+    text differs; the base JAX never reads that copy."""
+    from tests import irtest
+    monkeypatch.delenv("UPDATE_GOLDEN", raising=False)
+    monkeypatch.setattr(irtest, "GOLDEN", tmp_path)
+    base, own = tmp_path / "x.out.txt", tmp_path / "jax-0.99" / "x.out.txt"
+    base.write_text("base\n")
+    monkeypatch.setattr(irtest.jc, "JAX_VERSION", (0, 99, 1))
+    irtest.check_golden("x.out.txt", "base\n")
+    with pytest.raises(AssertionError, match="output differs"):
+        irtest.check_golden("x.out.txt", "new\n")
+    monkeypatch.setenv("UPDATE_GOLDEN", "1")
+    irtest.check_golden("x.out.txt", "new\n")
+    assert own.read_text() == "new\n" and base.read_text() == "base\n"
+    monkeypatch.delenv("UPDATE_GOLDEN")
+    irtest.check_golden("x.out.txt", "new\n")
+    with pytest.raises(AssertionError, match="output differs"):
+        irtest.check_golden("x.out.txt", "base\n")
+    monkeypatch.setattr(irtest.jc, "JAX_VERSION", (*irtest.BASE_JAX, 0))
+    irtest.check_golden("x.out.txt", "base\n")
+    monkeypatch.setattr(irtest.jc, "JAX_VERSION", (0, 99, 1))
+    monkeypatch.setenv("UPDATE_GOLDEN", "1")
+    irtest.check_golden("x.out.txt", "base\n")  # equal to the base again: the copy goes
+    assert not own.exists() and base.read_text() == "base\n"

@@ -18,11 +18,11 @@ import pytest
 
 import runtime as rt
 from compiler import hlo_report
+from tests.irtest import check_golden
 from tools import _common, inspect as tinspect, ir as tir, cache as tcache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "tests", "inspect_models.py")
-GOLDEN = os.path.join(ROOT, "tests", "golden")
 
 
 def _env(devices: int | None = None) -> dict:
@@ -208,12 +208,7 @@ def test_ir_diff_sharding_golden(capsys):
     """The diff over the sharding pass lists exactly the values whose type the pass
     changed (checked independently, value by value), in a stable text."""
     text = _ir(capsys, "diff", *ANNOTATED, "cross-replica-sum", "sharding")
-    path = os.path.join(GOLDEN, "ir_diff_sharding.out.txt")
-    if os.environ.get("UPDATE_GOLDEN"):
-        with open(path, "w") as f:
-            f.write(text)
-    with open(path) as f:
-        assert text == f.read()
+    check_golden("ir_diff_sharding.out.txt", text)
     # independent oracle: the sharding pass keeps every op, so values match by position
     ns = tir.build_parser().parse_args(["show", *ANNOTATED])
     stages = {n: g for n, _, g in tir.load_passes(ns, [])}

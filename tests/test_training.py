@@ -62,6 +62,29 @@ def test_sgd_matches_single_device(mlp, n):
     assert rstep.cache_info().misses == 1
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_gradient_through_a_traced_call_of_per_replica_data(mlp, n):
+    """A ``jax.jit(g).trace(...)`` object called on per-replica data: jax 0.11 binds it as
+    ``eval_jaxpr`` with the callee's types, which lose the data's per-replica typing, and
+    would then leave the weight's gradient unsummed (each replica's own, and the weight
+    per replica). It must equal the single-device step like any other."""
+    model, params, (x, y) = mlp
+    feats = jax.jit(lambda x: jnp.sin(jnp.tanh(x))).trace(
+        jax.ShapeDtypeStruct((x.shape[0] // n, x.shape[1]), x.dtype))
+
+    def loss(params, batch):
+        bx, by = batch
+        return jnp.mean((model.apply(params, feats(bx)) - by) ** 2)
+
+    def plain(params, batch):
+        bx, by = batch
+        return jnp.mean((model.apply(params, jnp.sin(jnp.tanh(bx))) - by) ** 2)
+
+    got = rt.replicate(sgd_step(loss, lr=0.2), num_replicas=n)(params, rt.distribute((x, y), n))
+    want = jax.jit(sgd_step(plain, lr=0.2))(params, (x, y))
+    assert_trees_close(got, want)
+
+
 @pytest.mark.parametrize("n", REPLICAS)
 def test_adam_matches_single_device(mlp, n):
     model, params, batch = mlp

@@ -64,8 +64,7 @@ def _primitive(name: str) -> tuple[Any, tuple[tuple[str, Any], ...]]:
     """JAX's ``mul`` / ``div`` primitive and the parameters it is bound with (they change
     between JAX versions, so they are read off a trace instead of written here)."""
     fn = {"mul": lambda a, b: a * b, "div": lambda a, b: a / b}[name]
-    eqn = jax.make_jaxpr(fn)(np.float32(1), np.float32(1)).jaxpr.eqns[0]
-    return eqn.primitive, tuple(eqn.params.items())
+    return jc.traced_primitive(fn, np.float32(1), np.float32(1))
 
 
 def _scale_ops(x: Value, result: Value, power: int, n: int, loc: Loc | None) -> list[Op]:

@@ -26,7 +26,7 @@ value is ``{replicated}`` (annotations are still validated).
   replication) would be finer; we choose the simpler, documented layout.
 - **Maximal** shardings (``assign``) propagate only through elementwise and identity
   ops; any other op treats a maximal operand as "no information".
-- **Regions.** Call-like ops (``jit``, ``pjit``, ``closed_call``, ``custom_jvp_call``,
+- **Regions.** Call-like ops (``jit``, ``pjit``, ``closed_call``/``eval_jaxpr``, ``custom_jvp_call``,
   ``custom_vjp_call``, ``checkpoint``/``remat``) whose region 0 takes the operands and
   returns the results are propagated through: the region is solved with its inputs
   seeded from the operands (forward) and its outputs from the results (backward), and
@@ -55,6 +55,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ir import _jax_compat as jc
 from ir.graph import Graph, Op, Opaque, Value
 from ir.printer import value_names
 from ir.types import Sharding
@@ -547,9 +548,8 @@ RULES: dict[str, Rule] = {
 }
 
 #: ops with regions that are propagated through (region 0 takes operands, gives results)
-CALL_OPS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-                      "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat",
-                      "remat2"})
+CALL_OPS = frozenset({"jit", "pjit", "custom_jvp_call", "custom_vjp_call",
+                      "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2"}) | jc.CALL_PRIMITIVES
 
 
 # ---------------------------------------------------------------------------------------
