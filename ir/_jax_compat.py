@@ -418,7 +418,9 @@ def install_vjp_hook(policy: Any) -> None:
         if len(cts) != len(out_primal_avals):  # a malformed seed: JAX's own error
             return orig(*args)
         out_varying = [varying_axes(a) for a in out_primal_avals]
-        in_varying = [varying_axes(v.aval) for v in jaxpr.invars]
+        # 0.11.2's jaxpr takes the residuals first, then one input per primal leaf
+        in_varying = [varying_axes(v.aval) for v in jaxpr.invars[-args[0].num_leaves:]] \
+            if args[0].num_leaves else []
         placeholders = tuple(getattr(api, n) for n in ("DidntWant", "GradRef") if hasattr(api, n))
         logs = []
 
