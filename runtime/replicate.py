@@ -382,13 +382,34 @@ class Replicated:
         scalar) as a deferred ``PerReplica``: the split into one array per local replica
         (and a reshape dispatch per scalar) happens when ``.values`` is first read."""
         local, devices = self._local_replicas, self._replica_devices
+        vshape = () if rank == 0 else (arr.shape[0] // self.num_replicas,) + tuple(arr.shape[1:])
 
         def values() -> list:
             by_dev = {s.device: s.data for s in arr.addressable_shards}
             vals = [by_dev[devices[r]] for r in local]
-            return [_to_scalar(v) for v in vals] if rank == 0 else vals
-        vshape = () if rank == 0 else (arr.shape[0] // self.num_replicas,) + tuple(arr.shape[1:])
+            if rank == 0:
+                return [_to_scalar(v) for v in vals]
+            if all(v.shape == vshape for v in vals):  # replicated over the model axes
+                return vals
+            # split over the replica's logical devices: each value is assembled from its
+            # K tiles, and stays split over them (device 0's shard alone is one tile)
+            return [self._replica_value(arr, vshape, by_dev, r) for r in local]
         return PerReplica.deferred(len(local), values, (arr,), stacked=(arr, vshape))
+
+    def _replica_value(self, arr: jax.Array, vshape: tuple, by_dev: dict, r: int) -> jax.Array:
+        """Replica ``r``'s value of a varying output that is split over its logical
+        devices: one array over those devices, with the output's sharding less the
+        replica axis."""
+        from jax.sharding import Mesh
+        names = self.mesh.axis_names[1:]
+        sub = Mesh(self.mesh.devices[r], names)
+        spec = []
+        for d in arr.sharding.spec:
+            axes = tuple(a for a in (d if isinstance(d, tuple) else (d,))
+                         if a is not None and a != REPLICA_AXIS)
+            spec.append(axes[0] if len(axes) == 1 else (axes or None))
+        return jax.make_array_from_single_device_arrays(
+            vshape, NamedSharding(sub, P(*spec)), [by_dev[d] for d in self._devices_nk[r]])
 
     def _sig(self, pr: PerReplica, index: int) -> tuple:
         n = len(self._local_replicas)
@@ -574,6 +595,7 @@ def _scan_steps(fn: Callable, args: tuple, mask: tuple, k: int, step_outputs: st
     every step. Per-step outputs are stacked on a new axis 0, or reduced (``step_outputs``)."""
     state, rest = args[0], args[1:]
     state_leaves, state_td = jax.tree.flatten(state)
+    state_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     rest_leaves, rest_td = jax.tree.flatten(rest)
     is_xs = jax.tree.leaves(mask[1:])
     xs = [x for x, m in zip(rest_leaves, is_xs) if m]
@@ -589,9 +611,17 @@ def _scan_steps(fn: Callable, args: tuple, mask: tuple, k: int, step_outputs: st
         if new_td != state_td:
             raise TypeError(f"replicate(steps_per_call={k}): the step returned a state of "
                             f"structure {new_td} but took {state_td}")
-        new_leaves = [jax.numpy.asarray(v, dtype=jax.numpy.result_type(o)) if
-                      jax.numpy.result_type(v) != jax.numpy.result_type(o) else v
-                      for v, o in zip(new_leaves, state_leaves)]
+        for path, v, o in zip(state_paths, new_leaves, state_leaves):
+            # a cast would silently change the user's numbers (an int32 counter made
+            # float, a float32 state rounded to bfloat16): the loop carry must keep its type
+            if jax.numpy.result_type(v) != jax.numpy.result_type(o) or np.shape(v) != np.shape(o):
+                raise TypeError(
+                    f"replicate(steps_per_call={k}): the step returned state leaf "
+                    f"state{jax.tree_util.keystr(path)} as {jax.numpy.result_type(v)}"
+                    f"{list(np.shape(v))} but took it as {jax.numpy.result_type(o)}"
+                    f"{list(np.shape(o))}; with several steps per call the state is a loop "
+                    f"carry and must keep its dtype and shape (cast it in the step, e.g. "
+                    f"x.astype(...))")
         return new_leaves, out[1]
 
     carry, ys = lax.scan(body, state_leaves, xs, length=k)
