@@ -6,6 +6,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from ir.jaxpr_import import REPLICA_AXIS
+
 
 class PerReplica:
     """One pytree per replica: replica ``r`` sees ``values[r]``.
@@ -119,18 +121,49 @@ def _stacked_on_host(v: PerReplica) -> np.ndarray | None:
     return np.asarray(g).reshape((v._n,) + v._vshape)
 
 
-def reduce(op: str, value: Any, axis: int | None = None) -> Any:
+def _replicas_of(v: Any) -> int | None:
+    """The replica count of a step's mirrored result: the size of the ``replica`` axis of
+    the mesh it lives on (``None`` for a value that did not come from a step)."""
+    sharding = getattr(v, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    names = getattr(mesh, "axis_names", ())
+    if REPLICA_AXIS not in names:
+        return None
+    return int(dict(zip(names, mesh.devices.shape))[REPLICA_AXIS])
+
+
+def _on_host(v: Any) -> np.ndarray:
+    """A mirrored value as a numpy array; a global array of several processes is read
+    from this process's shards (each process holds every element of its replicas)."""
+    if isinstance(v, jax.Array) and not v.is_fully_addressable:
+        out = np.empty(v.shape, v.dtype)
+        for s in v.addressable_shards:
+            out[s.index] = np.asarray(s.data)
+        return out
+    return np.asarray(v)
+
+
+def reduce(op: str, value: Any, axis: int | None = None,
+           num_replicas: int | None = None) -> Any:
     """Reduce per-replica values across replicas (TF's ``strategy.reduce``).
 
     ``value`` is a ``PerReplica`` (of arrays or of pytrees) or a pytree whose leaves are
     ``PerReplica`` (what a step returns) or plain arrays. ``axis=None``: elementwise across
     replicas. ``axis=k``: also reduce along axis ``k`` of each value (for ``mean``, the
-    mean over all rows of all replicas, so unequal shards weigh by their rows). A leaf
-    that is not a ``PerReplica`` (a mirrored result) is the one value every replica
-    holds: with ``axis=None`` it is returned as it is (``sum`` does not multiply it by
-    N), otherwise reduced along ``axis``. Results are numpy arrays."""
+    mean over all rows of all replicas, so unequal shards weigh by their rows).
+
+    A leaf that is not a ``PerReplica`` (a result identical on every replica, which a step
+    returns as one array) counts as that value held by each of the N replicas, as in TF:
+    ``reduce("sum", x)`` is N·x, ``"mean"``, ``"max"`` and ``"min"`` give x. The answer
+    never depends on whether the compiler proved a result identical. N is the replica
+    count of the step the array came from (the ``replica`` axis of its mesh), or
+    ``num_replicas``; a ``"sum"`` of a value from elsewhere without ``num_replicas`` is a
+    ``ValueError``. Results are numpy arrays."""
     if op not in _REDUCE_OPS:
         raise ValueError(f"reduce: op must be one of {_REDUCE_OPS}, got {op!r}")
+    if num_replicas is not None and (not isinstance(num_replicas, int) or
+                                     isinstance(num_replicas, bool) or num_replicas < 1):
+        raise ValueError(f"reduce: num_replicas must be a positive int, got {num_replicas!r}")
     fn = getattr(np, op)
 
     def red(*xs):
@@ -142,13 +175,33 @@ def reduce(op: str, value: Any, axis: int | None = None) -> Any:
                              f"shape {xs[0].shape} (rank {xs[0].ndim})")
         return fn(np.concatenate(xs, axis=axis), axis=axis)
 
-    def one(v):
+    def identical(path, v):
+        n = _replicas_of(v)
+        if num_replicas is not None:
+            if n is not None and n != num_replicas:
+                raise ValueError(
+                    f"reduce: value{jax.tree_util.keystr(path)} is the result of a step on {n} "
+                    f"replicas but num_replicas={num_replicas}")
+            n = num_replicas
+        x = _on_host(v)
+        if n is None:
+            if op != "sum":
+                n = 1  # the mean, max or min of N copies of x is x, whatever N is
+            else:
+                raise ValueError(
+                    f"reduce: value{jax.tree_util.keystr(path)} (shape {x.shape}) is not a "
+                    f"PerReplica nor the result of a replicated step, so the number of "
+                    f"replicas whose copies it sums is unknown; pass num_replicas=N")
+        # N copies of one value, reduced exactly as N per-replica values are (same dtypes)
+        if axis is None:
+            return fn(np.broadcast_to(x, (n,) + x.shape), axis=0)
+        return red(*([x] * n))
+
+    def one(path, v):
         if isinstance(v, PerReplica):
             stacked = _stacked_on_host(v)
             if stacked is not None:
                 return red(*stacked)
             return jax.tree.map(red, *v.values)
-        if axis is None:
-            return v
-        return jax.tree.map(red, v)
-    return jax.tree.map(one, value, is_leaf=is_per_replica)
+        return identical(path, v)
+    return jax.tree_util.tree_map_with_path(one, value, is_leaf=is_per_replica)

@@ -329,8 +329,10 @@ def test_reduce_pytree_of_per_replica_results():
     red = rt.reduce("mean", out)
     np.testing.assert_allclose(red["loss"], x.mean(), rtol=1e-6)
     np.testing.assert_allclose(red["n"], np.mean([np.sum(s > 0) for s in np.split(x, N)]))
-    np.testing.assert_array_equal(red["w"], out["w"])  # mirrored: returned as it is
-    np.testing.assert_allclose(rt.reduce("sum", {"w": out["w"]}, axis=0)["w"], np.sum(np.asarray(out["w"])))
+    np.testing.assert_array_equal(red["w"], out["w"])  # mirrored: the mean of N copies
+    # a mirrored result counts once per replica (TF): the sum over replicas is N times it
+    np.testing.assert_allclose(rt.reduce("sum", {"w": out["w"]}, axis=0)["w"],
+                               N * np.sum(np.asarray(out["w"])))
     with pytest.raises(ValueError, match=r"axis 0 .*shape \(\)"):
         rt.reduce("sum", out["loss"], axis=0)
 
