@@ -8,6 +8,7 @@ axis (the ``model`` axis is left to XLA) and ``jax.jit`` with in/out shardings.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable, Sequence
 
 import jax
@@ -60,12 +61,27 @@ def _single_replica() -> bool:
     return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(REPLICA_AXIS, 1) == 1
 
 
+#: the platform of the devices a graph is lowered for (set by ``build_jitted``)
+_PLATFORM: contextvars.ContextVar[str] = contextvars.ContextVar("platform", default="")
+_HALF = (jax.numpy.bfloat16, jax.numpy.float16)
+
+
+def _widened(fn: Callable, args: list[Any], axes: Any) -> list[Any]:
+    """On CPU, a 16-bit float all-reduce runs in float32: XLA's CPU compiler promotes it
+    anyway, and its promotion aborts the process when the reduction region holds the
+    sharding constraints of a partly manual mesh (K > 1 logical devices). Other
+    platforms reduce in the value's own type."""
+    if _PLATFORM.get() != "cpu" or not any(a.dtype in _HALF for a in args):
+        return list(fn(tuple(args), axes))
+    wide = [a.astype(jax.numpy.float32) if a.dtype in _HALF else a for a in args]
+    return [w.astype(a.dtype) for w, a in zip(fn(tuple(wide), axes), args)]
+
+
 @rule("all_reduce")
 def _all_reduce(op: Op, args: list[Any]) -> list[Any]:
     if _single_replica():
         return list(args)
-    fn = _REDUCERS[op.attr("reduce")]
-    return list(fn(tuple(args), op.attr("axes", (REPLICA_AXIS,))))
+    return _widened(_REDUCERS[op.attr("reduce")], args, op.attr("axes", (REPLICA_AXIS,)))
 
 
 @rule("all_gather")
@@ -189,9 +205,15 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
     check_no_divergent_collectives(graph)  # whatever the pipeline: never a hang
     k = logical_devices_of(mesh)
 
+    platform = mesh.devices.flat[0].platform if hasattr(mesh, "devices") else ""
+
     def body(*xs):
         args = [x.reshape(()) if v and r == 0 else x for x, v, r in zip(xs, in_varying, in_ranks)]
-        outs = eval_graph(graph, args)
+        token = _PLATFORM.set(platform)
+        try:
+            outs = eval_graph(graph, args)
+        finally:
+            _PLATFORM.reset(token)
         return tuple(o.reshape((1,)) if v and r == 0 else o
                      for o, v, r in zip(outs, out_varying, out_ranks))
 

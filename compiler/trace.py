@@ -125,6 +125,7 @@ def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[Leaf
         return ()
 
     jc.install_vjp_hook(_pullback)
+    jc.install_custom_vjp_sum()
     with replica_context(num_replicas, logical_devices), jc.varying_loop_carries(), \
             jc.grad_mode("replica"):
         jax.make_jaxpr(jax.shard_map(outer, mesh=mesh, in_specs=(), out_specs=(), check_vma=True))()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -147,6 +147,15 @@ def varying_axes(aval: Any) -> frozenset:
     """The manual mesh axes a value varies over (``aval.manual_axis_type.varying``)."""
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def to_varying(x: Any, axis: str) -> Any:
+    """``x`` typed as varying over the manual mesh axis ``axis`` (values unchanged); a
+    value that already varies over it is returned as it is. Its transpose, in a
+    gradient, is a sum over ``axis``."""
+    if axis in varying_axes(jax.typeof(x)):
+        return x
+    return jax.lax.pcast(x, (axis,), to="varying")
 
 
 def is_sharding(v: Any) -> bool:
@@ -444,6 +453,67 @@ def install_vjp_hook(policy: Any) -> None:
 
     hooked._replicate_hlo = True
     api._vjp3_bwd = hooked
+
+
+# -- custom_vjp backward functions that return a per-replica cotangent ------------------
+# A ``custom_vjp`` whose primal input is mirrored (a weight) and whose backward function
+# computes its cotangent from per-replica values (``x.T @ g``) returns a per-replica
+# cotangent for a value that is one across replicas. JAX's check (check_vma) refuses it:
+# under ``shard_map`` the user is expected to ``psum`` it by hand. In the global program
+# the mirrored input is one value used by every replica, so its cotangent is the sum of
+# the replicas' contributions: exactly the sum JAX itself inserts when it transposes the
+# implicit cast to varying of a mirrored value. While a replica is traced, that sum is
+# inserted over the axes the cotangent varies over and its input does not.
+def _sum_extra_axes(cts: Any, in_tree: Any, in_avals: Sequence[Any]) -> Any:
+    children = jax.tree_util.treedef_children(in_tree)
+    if isinstance(cts, list) and len(cts) == len(children):
+        cts = tuple(cts)
+    if not isinstance(cts, tuple) or len(cts) != len(children):
+        return cts  # a malformed result: JAX's own error names it
+    out, pos = [], 0
+    for ct, child in zip(cts, children):
+        avals = in_avals[pos:pos + child.num_leaves]
+        pos += child.num_leaves
+        leaves, tree = jax.tree_util.tree_flatten(ct, is_leaf=lambda x: x is None)
+        if ct is None or len(leaves) != len(avals):
+            out.append(ct)
+            continue
+        fixed = []
+        for leaf, aval in zip(leaves, avals):
+            extra = (varying_axes(jax.typeof(leaf)) - varying_axes(aval)
+                     if isinstance(leaf, jax.Array) or hasattr(leaf, "aval") else ())
+            fixed.append(jax.lax.psum(leaf, tuple(sorted(extra))) if extra else leaf)
+        out.append(jax.tree_util.tree_unflatten(tree, fixed))
+    return tuple(out)
+
+
+def install_custom_vjp_sum() -> None:
+    """While a replica is traced, sum a ``custom_vjp`` backward function's per-replica
+    cotangent of a mirrored input over the replicas (see the comment above)."""
+    from jax._src import custom_derivatives as cd
+    from jax._src import linear_util as lu
+    orig = cd._flatten_bwd
+    if getattr(orig, "_replicate_hlo", False):
+        return
+    state = _grad_mode_state()
+
+    @lu.transformation2
+    def summed(f, in_tree, in_avals, with_logs, *args):
+        out = f(*args)
+        if with_logs and isinstance(out, (list, tuple)) and len(out) == 2:
+            return _sum_extra_axes(out[0], in_tree, in_avals), out[1]
+        return _sum_extra_axes(out, in_tree, in_avals)
+
+    def patched(bwd, in_tree, in_avals, *rest):
+        # 0.10: (out_trees); 0.11.2: (out_trees, primal_fun, with_logs), where a backward
+        # function registered with logs returns (cotangents, logs)
+        if state.value == "off":
+            return orig(bwd, in_tree, in_avals, *rest)
+        with_logs = bool(rest[2]) if len(rest) >= 3 else False
+        return orig(summed(bwd, in_tree, tuple(in_avals), with_logs), in_tree, in_avals, *rest)
+
+    patched._replicate_hlo = True
+    cd._flatten_bwd = patched
 
 
 def define_scale_primitive(name: str) -> Primitive:
