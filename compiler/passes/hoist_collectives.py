@@ -28,7 +28,8 @@ that leaves this pass out fails instead of hanging.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from compiler.errors import DivergentCollectiveError
@@ -48,7 +49,8 @@ COLLECTIVES = frozenset({"all_reduce", "all_gather", "all_to_all", "ppermute", "
 LINEAR = frozenset({"add_any", "add", "sub", "neg", "reshape", "transpose", "squeeze",
                     "expand_dims", "broadcast_in_dim", "reduce_sum", "convert_element_type",
                     "slice", "copy", "copy_p", "rev", "cumsum", "loss_scale", "concatenate",
-                    "pad", "select_n", "dynamic_slice", "gather", "real", "imag", "conj"})
+                    "pad", "select_n", "dynamic_slice", "gather", "real", "imag", "conj",
+                    "unstack", "split", "reduce_precision"})
 _ONE_SIDED = frozenset({"mul", "dot_general", "div"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
 
@@ -150,25 +152,78 @@ def _is_zero(v: Value, producers: dict[Value, Op]) -> bool:
     return val.dtype != object and not np.any(val)
 
 
-def _derived(branch: Graph) -> tuple[set[Value], list[Op], str | None]:
-    """Values of ``branch`` derived linearly from its all_reduce sums/means, those
-    all-reduces, and why hoisting is impossible (``None`` when it is possible)."""
-    producers = branch.producers()
-    derived: set[Value] = set()
-    reduces: list[Op] = []
-    for op in branch.ops:
-        reads = [v in derived for v in op.operands]
-        if op.regions and any(
-                is_collective(o) for region in op.regions for o, _ in region.walk()):
-            return derived, reduces, f"{op.name}{_where(op)} holds a collective in a region"
-        if is_collective(op):
-            if op.name != "all_reduce" or op.attr("reduce") not in ("sum", "mean") or any(reads):
-                return derived, reduces, f"{op.name}{_where(op)} is not a linear all-reduce"
-            reduces.append(op)
-            derived.update(op.results)
-            continue
-        if not any(reads):
-            continue
+class _Refused(Exception):
+    """A collective that cannot be taken out exactly (the message says which and why)."""
+
+
+def _has_collective(op: Op) -> bool:
+    return any(is_collective(o) for region in op.regions for o, _ in region.walk())
+
+
+def _partial(v: Value) -> Value:
+    return Value(v.type.with_replica(Replica.VARYING))
+
+
+class _Lifter:
+    """Takes every collective out of a transposed region, exactly (by linearity).
+
+    A *partial* is a value that still owes an all-reduce: the replica's own addend of a
+    sum. ``lift(region, partial_inputs)`` rewrites ``region`` without collectives: each
+    ``all_reduce`` sum (mean: over N) becomes its operand, a partial; every op that reads
+    a partial must be linear in it with coefficients identical on every replica (else
+    ``_Refused``), and its result is a partial too. Regions are lifted recursively:
+    ``scan`` (partials in the per-step outputs, or accumulated in a carry that starts
+    at zero), ``cond`` (any index: a branch returns a partial or zero at each such
+    output) and calls (inlined). The caller all-reduces the outputs that are partials:
+    Σ_r of the replicas' addends is the sum the collectives computed, whichever branches
+    or steps each replica ran."""
+
+    def __init__(self, num_replicas: int):
+        self.n = num_replicas
+
+    def lift(self, region: Graph, partial_inputs: set[int]) -> tuple[Graph, set[int]]:
+        region = _inline_calls(region)
+        producers = region.producers()
+        owing = {v for i, v in enumerate(region.inputs) if i in partial_inputs}
+        rw = Rewriter(region, input_types=lambda v: _partial(v).type if v in owing else v.type)
+        partial: set[Value] = {rw.get(v) for v in owing}
+        for op in region.ops:
+            ins = [rw.get(v) for v in op.operands]
+            reads = [v in partial for v in ins]
+            if is_collective(op):
+                self._strip(op, ins, reads, rw, partial)
+            elif op.regions and (any(reads) or _has_collective(op)):
+                self._nested(op, ins, reads, rw, partial, producers)
+            elif not any(reads):
+                rw.emit(op)
+            else:
+                self._check_linear(op, reads, producers)
+                new = rw.emit(op, result_types=tuple(r.type.with_replica(Replica.VARYING)
+                                                     for r in op.results))
+                partial.update(new.results)
+        out = rw.finish()
+        return out, {i for i, v in enumerate(out.outputs) if v in partial}
+
+    def _strip(self, op: Op, ins: list[Value], reads: list[bool], rw: Rewriter,
+               partial: set[Value]) -> None:
+        if op.name != "all_reduce" or op.attr("reduce") not in ("sum", "mean"):
+            raise _Refused(f"{op.name}{_where(op)} is not a linear all-reduce")
+        if any(reads):
+            raise _Refused(f"{op.name}{_where(op)} all-reduces a value that already owes one")
+        for x, r in zip(ins, op.results):
+            if op.attr("reduce") == "sum" or self.n == 1:
+                rw.alias(r, x)
+                partial.add(x)
+            else:
+                from compiler.passes.cross_replica_sum import _scale_ops
+                part = _partial(r)
+                for new in _scale_ops(x, part, -1, self.n, op.loc):
+                    rw.add(new)
+                rw.alias(r, part)
+                partial.add(part)
+
+    @staticmethod
+    def _check_linear(op: Op, reads: list[bool], producers: dict[Value, Op]) -> None:
         others = [v for v, d in zip(op.operands, reads) if not d]
         if op.name in _ONE_SIDED:
             ok = (sum(reads) == 1 and not _varying(others[0])
@@ -184,10 +239,65 @@ def _derived(branch: Graph) -> tuple[set[Value], list[Op], str | None]:
         else:
             ok = op.name in LINEAR and all(not _varying(v) for v in others)
         if not ok:
-            return derived, reduces, (f"{op.name}{_where(op)} uses the result of a collective "
-                                      f"in a way that is not linear")
-        derived.update(op.results)
-    return derived, reduces, None
+            raise _Refused(f"{op.name}{_where(op)} uses the result of a collective in a way "
+                           f"that is not linear")
+
+    def _nested(self, op: Op, ins: list[Value], reads: list[bool], rw: Rewriter,
+                partial: set[Value], producers: dict[Value, Op]) -> None:
+        if op.name == "scan":
+            new, outs = self._scan(op, reads, producers)
+        elif op.name == "cond":
+            if reads[0]:
+                raise _Refused(f"cond{_where(op)} branches on a value that owes an all-reduce")
+            new, outs = self.cond(op, {i - 1 for i, r in enumerate(reads) if r and i > 0})
+        else:
+            raise _Refused(f"{op.name}{_where(op)} holds a collective in a region")
+        emitted = rw.emit(new, result_types=tuple(
+            r.type.with_replica(Replica.VARYING) if j in outs else r.type
+            for j, r in enumerate(new.results)))
+        partial.update(emitted.results[j] for j in outs)
+
+    def cond(self, op: Op, partial_operands: set[int]) -> tuple[Op, set[int]]:
+        """``op`` (a cond) with its branches lifted; the result positions that are
+        partials (each branch returns a partial or a zero there)."""
+        lifted = [self.lift(g, partial_operands) for g in op.regions]
+        positions = set().union(*(p for _, p in lifted))
+        for g, p in lifted:
+            prods = g.producers()
+            for j in positions - p:
+                if not _is_zero(g.outputs[j], prods):
+                    raise _Refused(f"cond{_where(op)}: a branch returns a value that is neither "
+                                   f"the replica's addend nor zero where another returns an addend")
+        return op.replace(regions=tuple(g for g, _ in lifted)), positions
+
+    def _scan(self, op: Op, reads: list[bool], producers: dict[Value, Op]) -> tuple[Op, set[int]]:
+        n_consts, n_carry = op.attr("num_consts"), op.attr("num_carry")
+        if n_consts is None or n_carry is None:
+            raise _Refused(f"scan{_where(op)} holds a collective and its carries are unknown")
+        body_i = op.attr("jaxpr").index
+        body = op.regions[body_i]
+        carry = {i for i in range(n_carry) if reads[n_consts + i]}
+        fixed = {i for i in range(n_consts) if reads[i]}
+        xs = {n_consts + n_carry + i for i in range(len(reads) - n_consts - n_carry)
+              if reads[n_consts + n_carry + i]}
+        while True:
+            new_body, outs = self.lift(body, fixed | {n_consts + i for i in carry} | xs)
+            grown = {i for i in range(n_carry) if i in outs} - carry
+            for i in grown:  # a carry that becomes an addend must start as one (or zero)
+                if not _is_zero(op.operands[n_consts + i], producers):
+                    raise _Refused(f"scan{_where(op)} accumulates a collective's result in a "
+                                   f"carry that does not start at zero")
+            if not grown:
+                break
+            carry |= grown
+        prods = new_body.producers()
+        for i in carry - outs:
+            if not _is_zero(new_body.outputs[i], prods):
+                raise _Refused(f"scan{_where(op)} overwrites a carry that holds a collective's "
+                               f"result")
+        regions = list(op.regions)
+        regions[body_i] = new_body
+        return op.replace(regions=tuple(regions)), carry | {j for j in outs if j >= n_carry}
 
 
 @dataclass(frozen=True)
@@ -197,13 +307,21 @@ class HoistCollectivesPass:
 
     num_replicas: int = 1
     name: str = "hoist-collectives"
+    _why: list = field(default_factory=list, compare=False, repr=False)
 
     def apply(self, graph: Graph) -> Graph:
         in_reps = [v.type.replica or Replica.VARYING for v in graph.inputs]
+        self._why.clear()
         new, changed = self._rewrite(graph, False)
         if changed:
             new = annotate(new, in_reps)[0]
-        check_no_divergent_collectives(new)
+        try:
+            check_no_divergent_collectives(new)
+        except DivergentCollectiveError as e:
+            if not self._why:
+                raise
+            raise DivergentCollectiveError(f"{e}; the gradient's all-reduce could not be "
+                                           f"taken out of the branch: {self._why[0]}") from None
         return new
 
     def _rewrite(self, graph: Graph, enclosing: bool) -> tuple[Graph, bool]:
@@ -236,46 +354,16 @@ class HoistCollectivesPass:
         return rw.finish(), changed
 
     def _hoist_cond(self, op: Op) -> tuple[Op, list[int]] | None:
-        """The cond with its branches' all-reduces taken out, and the result positions to
-        sum after it; ``None`` when no branch holds a collective (raises when one holds
-        a collective that cannot be taken out: the final check names it)."""
-        branches = [_inline_calls(g) for g in op.regions]
-        if not any(is_collective(o) for g in branches for o, _ in g.walk()):
+        """The cond with every collective of its branches taken out (see ``_Lifter``),
+        and the result positions to sum after it; ``None`` when no branch holds a
+        collective or one cannot be taken out (the final check then names it)."""
+        if not _has_collective(op):
             return None
-        analyses = [_derived(g) for g in branches]
-        if any(why is not None for _, _, why in analyses):
-            return None  # left in place: check_no_divergent_collectives reports it
-        n_out = len(op.results)
-        positions = sorted({j for g, (derived, _, _) in zip(branches, analyses)
-                            for j in range(n_out) if g.outputs[j] in derived})
-        for g, (derived, _, _) in zip(branches, analyses):
-            producers = g.producers()
-            for j in positions:
-                v = g.outputs[j]
-                if v not in derived and not _is_zero(v, producers):
-                    return None
-        new_branches = tuple(self._strip(g, reduces) for g, (_, reduces, _) in
-                             zip(branches, analyses))
+        try:
+            new, positions = _Lifter(self.num_replicas).cond(op, set())
+        except _Refused as e:
+            self._why.append(str(e))
+            return None
         results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in positions else r
-                        for j, r in enumerate(op.results))
-        return op.replace(regions=new_branches, results=results), positions
-
-    def _strip(self, branch: Graph, reduces: list[Op]) -> Graph:
-        """The branch with each all-reduce replaced by its operand (a mean by the operand
-        divided by N): the replica's own addend."""
-        from compiler.passes.cross_replica_sum import _scale_ops
-        drop = {id(o) for o in reduces}
-        rw = Rewriter(branch)
-        for op in branch.ops:
-            if id(op) not in drop:
-                rw.emit(op)
-                continue
-            for x, r in zip(op.operands, op.results):
-                if op.attr("reduce") == "sum" or self.num_replicas == 1:
-                    rw.alias(r, rw.get(x))
-                else:
-                    part = Value(r.type.with_replica(Replica.VARYING))
-                    for new in _scale_ops(rw.get(x), part, -1, self.num_replicas, op.loc):
-                        rw.add(new)
-                    rw.alias(r, part)
-        return rw.finish()
+                        for j, r in enumerate(new.results))
+        return new.replace(results=results), sorted(positions)
