@@ -9,3 +9,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 assert len(jax.devices()) >= 8, "tests need 8 virtual CPU devices (XLA_FLAGS set too late?)"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="long modes: the semantics fuzzer runs 1000 random programs")

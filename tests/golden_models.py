@@ -13,3 +13,20 @@ def sgd_step(w, x, y):
         return jnp.mean((pred - y) ** 2)
     l, g = jax.value_and_grad(loss)(w)
     return l, w - 0.1 * g
+
+
+def stochastic_depth_step(w, u, x, y):
+    """A residual block kept or skipped per replica (the predicate reads the replica's
+    data): the gradient all-reduces of ``u`` sit in the transposed branch."""
+    def loss(w, u):
+        h = x @ w
+        h = jax.lax.cond(x[0, 0] > 0, lambda h: h + jnp.tanh(h @ u), lambda h: h, h)
+        return jnp.mean((h - y) ** 2)
+    return jax.grad(loss, argnums=(0, 1))(w, u)
+
+
+def divergent_user_all_reduce_step(w, x):
+    """A user's all-reduce inside a branch taken per replica: refused, never run."""
+    h = x @ w
+    h = jax.lax.cond(x[0, 0] > 0, lambda h: jax.lax.psum(h, "replica"), lambda h: h, h)
+    return jnp.sum(h)

@@ -1,0 +1,261 @@
+"""Issue 10's targeted regressions: results split over logical devices come back whole,
+``rt.reduce`` counts an identical result once per replica, ``rt.local`` keeps gradients
+per replica, collectives in per-replica control flow are refused with both lines named,
+and a multi-step state may not change its dtype. The broad differential corpus is
+``test_semantics_corpus.py``."""
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import runtime as rt
+from compiler.errors import DivergentCollectiveError, PassError
+
+
+def _line(fn, text: str) -> int:
+    """The line of this file where ``text`` appears inside ``fn``."""
+    src, start = inspect.getsourcelines(fn)
+    for i, line in enumerate(src):
+        if text in line:
+            return start + i
+    raise AssertionError(text)
+
+
+# -- item 3: per-replica results split over logical devices ------------------------------
+def _split_out(x):
+    return rt.split_to_logical_devices(x, [1, 2]) * 2
+
+
+def _split_by_propagation(x, w):
+    return x @ rt.split_to_logical_devices(w, [1, 2])  # the output's split is propagated
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_split_result_comes_back_whole(dynamic):
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(2, 4)).astype(np.float32), rng.normal(size=(3 if dynamic else 2, 4)).astype(np.float32)]
+    step = rt.replicate(_split_out, num_replicas=2, logical_devices=2,
+                        options=rt.RunOptions(dynamic_shapes=dynamic))
+    out = step(rt.PerReplica(xs))
+    for r, x in enumerate(xs):
+        assert out.values[r].shape == x.shape
+        np.testing.assert_array_equal(np.asarray(out.values[r]), 2 * x)
+    np.testing.assert_allclose(rt.reduce("sum", out, axis=0), 2 * np.concatenate(xs).sum(0), rtol=1e-6)
+
+
+def test_split_result_by_propagation_stays_split_over_its_devices():
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(4, 6)).astype(np.float32)
+    xs = [rng.normal(size=(3, 4)).astype(np.float32) + r for r in range(4)]
+    step = rt.replicate(_split_by_propagation, num_replicas=4, logical_devices=2)
+    out = step(rt.PerReplica(xs), w)
+    mesh = step.mesh.devices.reshape(4, 2)
+    for r, x in enumerate(xs):
+        v = out.values[r]
+        np.testing.assert_allclose(np.asarray(v), x @ w, rtol=1e-5, atol=1e-6)
+        # the value lives on replica r's two logical devices, one column tile on each
+        assert v.devices() == set(mesh[r])
+        assert sorted(s.data.shape for s in v.addressable_shards) == [(3, 3), (3, 3)]
+    np.testing.assert_allclose(rt.reduce("mean", out), np.mean([x @ w for x in xs], 0), rtol=1e-5)
+
+
+# -- item 4: identical values count once per replica --------------------------------------
+@pytest.mark.parametrize("n", [2, 8])
+def test_reduce_sum_of_an_identical_count_is_the_global_count(n):
+    """A metric ``count = batch.shape[0]`` is identical on every replica (a constant):
+    summed over replicas it is the global count, whether the compiler proved it identical
+    (one array) or not (a PerReplica)."""
+    step = rt.replicate(lambda x: {"count": jnp.float32(x.shape[0]),
+                                   "count_pr": jnp.sum(x[:, 0] * 0 + 1)}, num_replicas=n)
+    out = step(rt.distribute(np.zeros((3 * n, 2), np.float32), n))
+    assert not isinstance(out["count"], rt.PerReplica) and isinstance(out["count_pr"], rt.PerReplica)
+    for key in ("count", "count_pr"):
+        assert float(rt.reduce("sum", out[key])) == 3 * n
+        assert float(rt.reduce("mean", out[key])) == 3
+        assert float(rt.reduce("max", out[key])) == 3
+    # along an axis: N copies, concatenated
+    vec = rt.replicate(lambda x: jnp.arange(3.0), num_replicas=n)(rt.distribute(np.zeros((n, 1)), n))
+    np.testing.assert_array_equal(rt.reduce("sum", vec, axis=0), n * 3.0)
+    np.testing.assert_array_equal(rt.reduce("mean", vec, axis=0), 1.0)
+
+
+def test_reduce_sum_of_a_value_not_from_a_step_needs_num_replicas():
+    with pytest.raises(ValueError, match=r"value\['a'\] \(shape \(3,\)\) is not a PerReplica.*num_replicas=N"):
+        rt.reduce("sum", {"a": np.ones(3)})
+    np.testing.assert_array_equal(rt.reduce("sum", np.ones(3), num_replicas=4), [4, 4, 4])
+    np.testing.assert_array_equal(rt.reduce("mean", np.ones(3)), [1, 1, 1])  # any N: the same
+    out = rt.replicate(lambda x: jnp.ones(2), num_replicas=2)(rt.distribute(np.zeros((2, 1)), 2))
+    with pytest.raises(ValueError, match=r"step on 2 replicas but num_replicas=4"):
+        rt.reduce("sum", out, num_replicas=4)
+    with pytest.raises(ValueError, match=r"num_replicas must be a positive int, got 0"):
+        rt.reduce("sum", out, num_replicas=0)
+
+
+# -- item 5: gradients that stay per replica ------------------------------------------------
+def test_local_outside_a_step_is_an_error():
+    with pytest.raises(RuntimeError, match=r"local\(\) can only be called inside"):
+        rt.local(jnp.ones(3))
+
+
+def test_local_view_gradients_are_each_replicas_own():
+    w = np.array([1.0, -2.0, 0.5], np.float32)
+    xs = [np.full((2, 3), r + 1.0, np.float32) for r in range(4)]
+
+    def step(w, x):
+        loss = lambda w: jnp.sum((x @ w) ** 2)
+        return jax.grad(loss)(rt.local(w)), jax.grad(loss)(w)
+    local, reduced = rt.replicate(step, num_replicas=4)(w, rt.PerReplica(xs))
+    own = [jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w) for x in xs]
+    assert isinstance(local, rt.PerReplica)
+    for r in range(4):
+        np.testing.assert_allclose(local.values[r], own[r], rtol=1e-6)
+    assert not isinstance(reduced, rt.PerReplica)
+    np.testing.assert_allclose(reduced, np.mean(own, 0), rtol=1e-6)
+
+
+def test_dp_sgd_readme_recipe_matches_single_device_dp_sgd():
+    """The README's DP-SGD recipe on 4 replicas equals DP-SGD on the global batch."""
+    rng = np.random.default_rng(3)
+    params = {"w": rng.normal(size=(5, 2)).astype(np.float32), "b": np.zeros(2, np.float32)}
+    x = rng.normal(size=(16, 5)).astype(np.float32)
+    y = rng.normal(size=(16, 2)).astype(np.float32)
+
+    def loss(p, x, y):  # one example
+        return jnp.sum((x @ p["w"] + p["b"] - y) ** 2)
+
+    def clip(g, c=1.0):
+        norm = jnp.sqrt(sum(jnp.sum(a ** 2) for a in jax.tree.leaves(g)))
+        return jax.tree.map(lambda a: a * jnp.minimum(1.0, c / norm), g)
+
+    @rt.replicate
+    def dp_step(params, x, y):
+        per_example = jax.vmap(jax.grad(loss), (None, 0, 0))(rt.local(params), x, y)
+        summed = jax.tree.map(lambda g: g.sum(0), jax.vmap(clip)(per_example))
+        count = rt.all_reduce(jnp.float32(x.shape[0]), "sum")
+        grads = jax.tree.map(lambda g: rt.all_reduce(g, "sum") / count, summed)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    def single_device(params, x, y):
+        per_example = jax.vmap(jax.grad(loss), (None, 0, 0))(params, x, y)
+        grads = jax.tree.map(lambda g: g.mean(0), jax.vmap(clip)(per_example))
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    got = rt.replicate(dp_step.fn, num_replicas=4)(params, rt.distribute(x, 4), rt.distribute(y, 4))
+    want = jax.jit(single_device)(params, x, y)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    # without rt.local the per-example gradients would be summed over replicas first
+    wrong = rt.replicate(lambda p, x, y: jax.tree.map(
+        lambda g: g.sum(0), jax.vmap(clip)(jax.vmap(jax.grad(loss), (None, 0, 0))(p, x, y))),
+        num_replicas=4)(params, rt.distribute(x, 4), rt.distribute(y, 4))
+    assert not np.allclose(wrong["w"] / 16, params["w"] - want["w"])
+
+
+# -- item 2: collectives never run inside per-replica control flow ------------------------
+def _user_all_reduce_in_branch(w, x):
+    h = x @ w
+    h = lax.cond(x[0, 0] > 0, lambda h: h + rt.all_reduce(h, "sum"), lambda h: h * 2.0, h)
+    return jnp.sum(h)
+
+
+def _collective_in_per_replica_while(w, x):
+    def body(s):
+        i, h = s
+        return i + 1, h - rt.all_reduce(h, "mean")
+    return lax.while_loop(lambda s: s[0] < x[0, 0], body, (0.0, x @ w))[1]
+
+
+def _grad_inside_per_replica_branch(w, x):
+    return lax.cond(x[0, 0] > 0, lambda w: jax.grad(lambda w: jnp.sum(x @ w))(w),
+                    lambda w: w, w)
+
+
+@pytest.mark.parametrize("fn, coll, ctl", [
+    (_user_all_reduce_in_branch, 'rt.all_reduce(h, "sum")', "lax.cond("),
+    (_collective_in_per_replica_while, 'rt.all_reduce(h, "mean")', "lax.while_loop("),
+    (_grad_inside_per_replica_branch, "jax.grad(", "lax.cond("),
+])
+def test_collective_in_per_replica_control_flow_is_refused_with_both_lines(fn, coll, ctl):
+    w = np.ones((3, 2), np.float32)
+    step = rt.replicate(fn, num_replicas=2)
+    with pytest.raises(DivergentCollectiveError) as e:
+        step(w, rt.distribute(np.arange(12, dtype=np.float32).reshape(4, 3), 2))
+    msg = str(e.value)
+    assert f"test_semantics.py:{_line(fn, coll)}" in msg, msg
+    assert f"test_semantics.py:{_line(fn, ctl)}" in msg, msg
+    assert "differs between replicas" in msg
+
+
+def test_collective_in_mirrored_control_flow_runs():
+    """The same branch with a mirrored predicate is fine: every replica takes it."""
+    def step(w, x):
+        h = x @ w
+        return lax.cond(jnp.sum(w) > 0, lambda h: h * 0 + rt.all_reduce(h, "sum"), lambda h: h, h)
+    xs = np.arange(12, dtype=np.float32).reshape(4, 3)
+    w = np.ones((3, 2), np.float32)
+    out = rt.replicate(step, num_replicas=2)(w, rt.distribute(xs, 2))
+    for r in range(2):
+        np.testing.assert_allclose(out.values[r], xs[:2] @ w + xs[2:] @ w)
+
+
+def test_hoisted_gradient_is_one_sum_after_the_branch():
+    """Stochastic depth: the gradient of the block's weight leaves the transposed branch
+    (one all-reduce after the cond) and equals the mean of each replica's gradient."""
+    def loss(w, u, x):
+        h = x @ w
+        h = lax.cond(x[0, 0] > 0, lambda h: h + jnp.tanh(h @ u), lambda h: h, h)
+        return jnp.mean(h ** 2)
+
+    def step(w, u, x):
+        return jax.grad(loss, argnums=(0, 1))(w, u, x)
+    rng = np.random.default_rng(5)
+    w, u = rng.normal(size=(3, 2)).astype(np.float32), rng.normal(size=(2, 2)).astype(np.float32)
+    xs = [rng.normal(size=(2, 3)).astype(np.float32) for _ in range(4)]
+    xs[0][0, 0], xs[1][0, 0] = 1.0, -1.0  # replica 0 runs the block, replica 1 skips it
+    rstep = rt.replicate(step, num_replicas=4)
+    gw, gu = rstep(w, u, rt.PerReplica(xs))
+    want = [jax.jit(step)(w, u, x) for x in xs]  # each replica's own program
+    np.testing.assert_allclose(gw, np.mean([g[0] for g in want], 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gu, np.mean([g[1] for g in want], 0), rtol=1e-5, atol=1e-6)
+    graph = rstep.lower(w, u, rt.PerReplica(xs)).ir()
+    conds = [op for op, _ in graph.walk() if op.name == "cond"]
+    assert all(o.name != "all_reduce" for c in conds for r in c.regions for o, _ in r.walk())
+
+
+# -- max / min all-reduce are differentiable ------------------------------------------------
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_all_reduce_max_min_gradient_matches_jnp_extremum_with_ties(op):
+    """The loss is identical on every replica, so it counts once per replica (TF): the
+    gradient with respect to replica r's input is N times d max/d x_r, which goes to the
+    replicas holding the extremum, shared equally among ties (as ``jnp.max`` shares it)."""
+    xs = [np.array([1.0, 5.0, 2.0], np.float32), np.array([3.0, 5.0, 2.0], np.float32),
+          np.array([3.0, 0.0, -1.0], np.float32), np.array([0.0, 5.0, 2.0], np.float32)]
+    step = rt.replicate(lambda x: jax.grad(lambda x: jnp.sum(rt.all_reduce(x, op) * jnp.arange(1.0, 4.0)))(x),
+                        num_replicas=4)
+    got = step(rt.PerReplica(xs))
+    red = jnp.max if op == "max" else jnp.min
+    want = 4 * jax.grad(lambda s: jnp.sum(red(s, 0) * jnp.arange(1.0, 4.0)))(jnp.stack(xs))
+    for r in range(4):
+        np.testing.assert_allclose(got.values[r], want[r], rtol=1e-6)
+
+
+# -- item 7: a multi-step state keeps its dtype -----------------------------------------------
+def test_steps_per_call_state_dtype_change_is_refused():
+    def step(state, x):
+        return {"count": state["count"] + 0.5, "w": state["w"]}, jnp.sum(x)  # int32 -> float
+    rstep = rt.replicate(step, num_replicas=2, steps_per_call=3)
+    state = {"count": jnp.int32(0), "w": jnp.ones(2)}
+    with pytest.raises(TypeError, match=r"state leaf state\['count'\] as float32\[\] but took it "
+                                        r"as int32\[\]"):
+        rstep(state, rt.distribute_steps([np.ones((4, 2), np.float32)] * 3, 2))
+
+
+def test_pipeline_without_hoisting_still_never_runs_a_divergent_collective():
+    step = rt.replicate(_user_all_reduce_in_branch, num_replicas=2,
+                        options=rt.RunOptions(pipeline="replication,cross-replica-sum,sharding,dce"))
+    with pytest.raises((DivergentCollectiveError, PassError)):
+        step(np.ones((3, 2), np.float32), rt.distribute(np.ones((4, 3), np.float32), 2))
