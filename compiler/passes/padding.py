@@ -16,10 +16,13 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
   ``max``/``argmax`` fill -inf, ``min``/``argmin`` +inf), ``sort`` (+inf: padding sorts
   last), ``top_k`` (-inf), ``dot_general`` contracting over a padded axis (zero both
   sides). Softmax, logsumexp, mean, variance, layer norm and attention are made of these.
+- control flow over padded values (``cond``/``switch``, ``while``, ``scan`` whose carry
+  or steps hold a padded axis, checkpointed regions) is padded region by region with the
+  real sizes passed in as extra inputs, so the same rules hold inside;
 - ops that cannot be made exact over a padded axis raise :class:`PaddingError` naming the
-  op and the user's source line: loops (``scan``/``while``/``cond``) over padded values,
-  ``rev``, windows and convolutions, collectives of padded values, and ops whose result
-  would mix padded with real positions. Ops not known are allowed only when they keep each
+  op and the user's source line: a ``scan`` stepping along a padded axis, ``rev``,
+  windows and convolutions, collectives of padded values, and ops whose result would mix
+  padded with real positions. Ops not known are allowed only when they keep each
   padded axis where it was (element-wise); otherwise they are errors, never silent.
 - call-like ops (``pjit``, ``custom_jvp_call``...) holding padded values are inlined.
 - values computed from the real sizes are ``varying``.
@@ -70,8 +73,10 @@ REDUCE_RULES: dict[str, tuple[str, str]] = {
 #: ops that are never exact when an operand is padded
 DENY = frozenset({"reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
                   "conv_general_dilated", "select_and_scatter_add", "select_and_gather_add",
-                  "all_gather", "all_to_all", "all_reduce", "fft", "scan", "while", "cond",
+                  "all_gather", "all_to_all", "all_reduce", "fft",
                   "reduce", "reduce_precision_window", "psum_scatter", "ppermute"})
+#: ops that call their one region with their operands and are kept as ops (not inlined)
+_REGION_CALLS = frozenset({"remat2", "checkpoint", "remat", "custom_lin"})
 #: the scatter family: a combiner region (scalar, not a loop) and ``ScatterDimensionNumbers``
 SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
                       "scatter-max"})
@@ -219,10 +224,8 @@ class _Padder:
             return
         if op.regions and op.name not in SCATTERS and (
                 any_pad or any(_region_has_sym(g) for g in op.regions)):
-            raise PaddingError(
-                f"padding: {op.name} runs over values with a padded (dynamic) dim; a loop or "
-                f"branch cannot be made exact over padding (for a scan over a padded time axis "
-                f"use a static length or mask it yourself) ({_loc(op)})")
+            self.visit_regions(op, pads, operands, attrs)
+            return
         if any_pad and op.name in DENY:
             raise PaddingError(
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
@@ -232,6 +235,67 @@ class _Padder:
             operands = self.masked(op, pads, operands)
         results = tuple(self.new(r) for r in op.results)
         self.ops.append(op.replace(operands=tuple(operands), results=results, attrs=attrs))
+
+    # -- control flow: the regions are padded like the graph, with the real sizes passed in
+    def visit_regions(self, op: Op, pads: list[dict[int, str]], operands: list[Value],
+                      attrs: tuple) -> None:
+        """``cond``, ``while``, ``scan`` and checkpointed regions over padded values: each
+        region is padded by the same rules, the real sizes entering as extra inputs, so
+        every reduction inside is masked as it would be outside. Exact because padding
+        rows never mix with real ones in a region any more than outside it; a ``scan``
+        whose steps run along a padded axis would step through the padding, so it is an
+        error."""
+        syms = sorted(self.sizes)
+        sizes = [self.sizes[s] for s in syms]
+        k = len(sizes)
+        regions = list(op.regions)
+        upd: dict[str, Any] = {}
+        if op.name == "scan":
+            nc, ncar = op.attr("num_consts"), op.attr("num_carry")
+            for j in range(nc + ncar, len(op.operands)):
+                if 0 in pads[j]:
+                    raise PaddingError(
+                        f"padding: scan steps along a padded (dynamic) axis of its input "
+                        f"{op.operands[j].type}, so it would step through the padding; "
+                        f"scan over a static axis (e.g. time with the batch padded) or keep "
+                        f"that axis static (RunOptions(dynamic_dims=...)) ({_loc(op)})")
+            i = op.attr("jaxpr").index
+            regions[i] = self.region(regions[i], syms, 0)
+            operands = sizes + operands
+            upd["num_consts"] = nc + k
+        elif op.name == "while":
+            cn, bn = op.attr("cond_nconsts"), op.attr("body_nconsts")
+            ci, bi = op.attr("cond_jaxpr").index, op.attr("body_jaxpr").index
+            regions[ci] = self.region(regions[ci], syms, 0)
+            regions[bi] = self.region(regions[bi], syms, 0)
+            operands = sizes + operands[:cn] + sizes + operands[cn:]
+            upd["cond_nconsts"], upd["body_nconsts"] = cn + k, bn + k
+        elif op.name == "cond":
+            regions = [self.region(g, syms, len(g.inputs)) for g in regions]
+            operands = operands + sizes
+        elif op.name in _REGION_CALLS and len(regions) == 1 \
+                and len(regions[0].inputs) == len(op.operands):
+            regions = [self.region(regions[0], syms, len(regions[0].inputs))]
+            operands = operands + sizes
+        else:
+            raise PaddingError(
+                f"padding: {op.name} runs a region over values with a padded (dynamic) dim "
+                f"and has no padding rule ({_loc(op)})")
+        attrs = tuple((key, upd.get(key, v)) for key, v in attrs)
+        results = tuple(self.new(r) for r in op.results)
+        self.ops.append(op.replace(operands=tuple(operands), results=results, attrs=attrs,
+                                   regions=tuple(regions)))
+
+    def region(self, g: Graph, syms: list[str], at: int) -> Graph:
+        """``g`` padded by a padder of its own, with one real-size input per symbol
+        inserted at input position ``at``."""
+        sub = _Padder(self.buckets, {})
+        size_in = [Value(self.sizes[s].type) for s in syms]
+        sub.sizes = dict(zip(syms, size_in))
+        ins = [sub.new(v) for v in g.inputs]
+        sub.walk(g.ops)
+        outs = tuple(sub.env[v] for v in g.outputs)
+        return Graph(tuple(ins[:at] + size_in + ins[at:]), tuple(sub.ops), outs, g.name)
 
     def masked(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
         name = op.name
