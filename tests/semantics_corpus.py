@@ -898,3 +898,56 @@ def _clipped_sgd():
 custom_case("optax_adamw_update", *_optax_step(_adamw), source="optax adamw")
 custom_case("optax_clip_by_global_norm_sgd", *_optax_step(_clipped_sgd),
             source="optax chain(clip_by_global_norm, sgd)")
+
+
+# == G. raw JAX collectives over the step's axis ("replica", ir.jaxpr_import.REPLICA_AXIS) =====
+def _ring(p, v):
+    n = rt.num_replicas()
+    h = _mlp(p["params"], v["x"])
+    g = lax.ppermute(jnp.mean(h, 0), "replica", [(r, (r + 1) % n) for r in range(n)])
+    return jnp.mean((h + g - v["y"]) ** 2)  # reads the previous replica's statistic
+
+
+def _ring_ref(p, vs):
+    hs = [_mlp(p["params"], v["x"]) for v in vs]
+    n = len(vs)
+    return [jnp.mean((h + jnp.mean(hs[(r - 1) % n], 0) - v["y"]) ** 2)
+            for r, (h, v) in enumerate(zip(hs, vs))]
+
+
+loss_case("ppermute_ring", _ring, global_losses=_ring_ref, dynamic=False,
+          source="ring exchange (issue 10 item 6: a permuted mirrored value is per replica)")
+
+
+def _scatter(p, v):
+    n = rt.num_replicas()
+    h = jnp.tile(jnp.mean(_mlp(p["params"], v["x"]), 0), n)       # [6n]
+    part = lax.psum_scatter(h * (1.0 + rt.replica_id()), "replica", tiled=True)  # [6]: my slice of the sum
+    return jnp.sum(part * v["y"][0])
+
+
+def _scatter_ref(p, vs):
+    n = len(vs)
+    hs = [jnp.tile(jnp.mean(_mlp(p["params"], v["x"]), 0), n) * (1.0 + r) for r, v in enumerate(vs)]
+    total = sum(hs)
+    return [jnp.sum(total[r * D_OUT:(r + 1) * D_OUT] * v["y"][0]) for r, v in enumerate(vs)]
+
+
+loss_case("psum_scatter_reduce_scatter", _scatter, global_losses=_scatter_ref, dynamic=False,
+          source="reduce-scatter, the building block of ZeRO/FSDP")
+
+
+def _permuted_mirrored_step(p, v, ann):
+    n = rt.num_replicas()
+    w = ann(p["params"])["w"]
+    moved = lax.ppermute(w * (1.0 + rt.replica_id()), "replica", [(r, (r + 1) % n) for r in range(n)])
+    return moved, lax.psum_scatter(jnp.tile(w[0], n), "replica", tiled=True)
+
+
+def _permuted_mirrored_ref(p, vs, c):
+    n, w = len(vs), p["params"]["w"]
+    return [(w * (1.0 + (r - 1) % n), n * w[0]) for r in range(n)]
+
+
+custom_case("ppermute_and_psum_scatter_of_mirrored_are_per_replica", _permuted_mirrored_step,
+            _permuted_mirrored_ref, source="issue 10 item 6")
