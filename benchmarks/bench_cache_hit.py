@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import runtime as rt  # noqa: E402
 
-TARGET = 1.5
+TARGET = 1.1
 
 
 def main() -> None:

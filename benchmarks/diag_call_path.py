@@ -37,7 +37,7 @@ def main() -> None:
     flat = jax.device_put(leaves, list(prog.jax_compiled.input_shardings[0]))
     ref_c = ref.lower(state, dev_batch).compile()
 
-    dist = rt.distribute(jax.device_put(batch, ours._varying_sharding), 1)
+    dist = rt.distribute(jax.device_put(batch, ours.layout.varying_sharding), 1)
     fns = {"ours call, PerReplica([device batch])": blocked(lambda: ours(state, pr)),
            "ours call, distribute(global batch)": blocked(lambda: ours(state, dist)),
            "jit call": blocked(lambda: ref(state, dev_batch)),

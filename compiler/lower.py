@@ -194,13 +194,18 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
 
 def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks: Sequence[int],
                  out_varying: Sequence[bool], out_ranks: Sequence[int],
-                 donate_argnums: tuple[int, ...] = ()) -> Any:
+                 donate_argnums: tuple[int, ...] = (), in_tree: Any = None,
+                 out_tree: Any = None) -> Any:
     """``jax.jit`` of the graph run per replica under ``shard_map`` over ``replica``.
 
     Varying inputs/outputs are laid out concatenated along axis 0 (scalars stacked into a
     length-N vector); mirrored ones are replicated over replicas. Over the model axes
     (K > 1) inputs and outputs take the shardings the ``sharding`` pass gave the graph's
-    inputs and outputs; inside, the model axes are left to XLA's partitioner."""
+    inputs and outputs; inside, the model axes are left to XLA's partitioner.
+
+    The jitted function takes the graph's inputs as flat positional arguments, or, given
+    ``in_tree`` (the treedef of a tuple of arguments) and ``out_tree``, the arguments in
+    that structure and returns the results in ``out_tree``'s."""
     from compiler.passes.hoist_collectives import check_no_divergent_collectives
     check_no_divergent_collectives(graph)  # whatever the pipeline: never a hang
     k = logical_devices_of(mesh)
@@ -226,6 +231,12 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
                   for v, r, var in zip(graph.inputs, in_ranks, in_varying))
     out_sh = tuple(NamedSharding(mesh, partition_spec(v.type.sharding, r, k, var))
                    for v, r, var in zip(graph.outputs, out_ranks, out_varying))
+    if in_tree is not None:
+        flat_mapped = mapped
+
+        def mapped(*args):  # the caller's own argument structure
+            return out_tree.unflatten(flat_mapped(*jax.tree.leaves(args)))
+        in_sh, out_sh = tuple(in_tree.unflatten(in_sh)), out_tree.unflatten(out_sh)
     return jax.jit(mapped, in_shardings=in_sh, out_shardings=out_sh,
                    donate_argnums=donate_argnums)
 

@@ -29,11 +29,12 @@ class Pass(Protocol):
 
 @dataclass(frozen=True)
 class PassRecord:
-    """One pipeline stage: the pass name, its wall time, and the graph after it."""
+    """One pipeline stage: the pass name, its wall time, and the graph after it (``None``
+    when the pass manager was told not to keep intermediate graphs)."""
 
     name: str
     seconds: float
-    graph: Graph
+    graph: Graph | None
 
 
 @dataclass
@@ -42,12 +43,17 @@ class PassManager:
 
     verify: run the verifier after every pass (default on; tests keep it on).
     dump_dir: write ``NN-<pass>.txt`` after each pass; defaults to ``$RT_DUMP_DIR``.
+    keep: keep the graph after every pass in ``records`` (for ``Lowered.ir(after=...)``);
+    when ``False`` only the last one is kept, so the others are freed as soon as the next
+    pass has run (a step compiled on first call needs only the last: this keeps the
+    process's long-lived objects, and so the garbage collector's full passes, down).
     """
 
     passes: Sequence[Pass]
     verify: bool = True
     dump_dir: str | None = None
     records: list[PassRecord] = field(default_factory=list)
+    keep: bool = True
 
     def __post_init__(self) -> None:
         if self.dump_dir is None:
@@ -56,6 +62,7 @@ class PassManager:
     def run(self, graph: Graph, import_seconds: float = 0.0) -> Graph:
         """Run the pipeline; ``records`` holds ``import`` plus one entry per pass."""
         self.records = [PassRecord("import", import_seconds, graph)]
+        self._verified: dict[int, Graph] = {}  # regions verified once, by identity
         if self.verify:
             self._verify(graph, "import")
         self._dump(0, "import", import_seconds, graph)
@@ -71,13 +78,16 @@ class PassManager:
             dt = time.perf_counter() - t0
             if self.verify:
                 self._verify(graph, p.name)
+            if not self.keep:
+                last = self.records[-1]
+                self.records[-1] = PassRecord(last.name, last.seconds, None)
             self.records.append(PassRecord(p.name, dt, graph))
             self._dump(i, p.name, dt, graph)
         return graph
 
     def _verify(self, graph: Graph, name: str) -> None:
         try:
-            verify(graph, where=f"after pass {name!r}")
+            verify(graph, where=f"after pass {name!r}", seen=self._verified)
         except IRError as e:
             ran = ", ".join(r.name for r in self.records)
             raise PassError(f"verifier failed after pass {name!r} (passes that ran: {ran}): {e}") from e

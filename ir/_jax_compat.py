@@ -252,6 +252,52 @@ def fast_callable(compiled: Any) -> Any:
     return getattr(compiled, "_call", None) or compiled.__call__
 
 
+def checked_cpp_call(compiled: Any, check: Any) -> Any:
+    """The C++ dispatch function of a ``jax.stages.Compiled`` (it flattens the arguments,
+    looks their signature up in its own cache and unflattens the results), with
+    ``check(args)`` run on each miss of that cache before the executable's own checks:
+    ``check`` raises to refuse arguments the executable would accept (it ignores weak
+    types). ``None`` when the executable has no C++ dispatch or JAX's internals differ.
+
+    JAX builds that function in ``MeshExecutable.create_cpp_call`` from a miss handler it
+    defines inside; the handler is wrapped by intercepting the one ``_jax.pjit`` call
+    that function makes, on this thread only."""
+    import threading
+    try:
+        from jax._src.interpreters import pxla
+        exe, params = compiled._executable, compiled._params
+        real = pxla._jax
+        real_pjit = real.pjit
+    except AttributeError:
+        return None
+    me = threading.get_ident()
+
+    class _Intercept:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def pjit(self, name, fun, cache_miss, *rest):
+            if threading.get_ident() != me:
+                return real_pjit(name, fun, cache_miss, *rest)
+
+            def miss(*args, **kwargs):
+                check(args)
+                return cache_miss(*args, **kwargs)
+            return real_pjit(name, fun, miss, *rest)
+
+    with _CPP_CALL_LOCK:
+        pxla._jax = _Intercept()
+        try:
+            return exe.create_cpp_call(params)
+        except Exception:  # noqa: BLE001 - internals changed: no fast path, still correct
+            return None
+        finally:
+            pxla._jax = real
+
+
+_CPP_CALL_LOCK = __import__("threading").Lock()
+
+
 def define_annotation_primitive(name: str) -> Primitive:
     """An identity primitive carrying static params (a sharding annotation).
 

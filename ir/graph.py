@@ -210,15 +210,20 @@ class Rewriter:
     def emit(self, op: Op, result_types: tuple[TensorType, ...] | None = None,
              regions: tuple[Graph, ...] | None = None) -> Op:
         """Append ``op`` with operands remapped; new result values when types change."""
-        operands = tuple(self.get(v) for v in op.operands)
+        get = self.mapping.get
+        operands = tuple([get(v, v) for v in op.operands])
         if result_types is None:
             results = op.results
         else:
             results = tuple(r if r.type == t else Value(t) for r, t in zip(op.results, result_types))
             for old, new in zip(op.results, results):
                 self.mapping[old] = new
-        new = dataclasses.replace(op, operands=operands, results=results,
-                                  regions=op.regions if regions is None else regions)
+        if results is op.results and (regions is None or regions is op.regions) and all(
+                a is b for a, b in zip(operands, op.operands)):
+            new = op  # unchanged: ops are immutable, so the old one is the new one
+        else:
+            new = dataclasses.replace(op, operands=operands, results=results,
+                                      regions=op.regions if regions is None else regions)
         self.ops.append(new)
         return new
 

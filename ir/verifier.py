@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from ir.errors import IRVerifyError
-from ir.graph import Graph, Op, Value, map_region_refs
+from ir.graph import Graph, Op, RegionRef, Value, map_region_refs
 from ir.printer import print_op_context, value_names
 from ir.types import Replica
 
@@ -80,13 +80,26 @@ OP_RULES: dict[str, Callable[[Op], str | None]] = {
 }
 
 
+def _has_ref(attrs: tuple) -> bool:
+    """Does any attribute hold a region reference (at the top or one tuple deep)?"""
+    for _, v in attrs:
+        if isinstance(v, RegionRef) or (isinstance(v, tuple) and
+                                        any(isinstance(x, RegionRef) for x in v)):
+            return True
+    return False
+
+
 def _fail(root: Graph, op: Op | None, msg: str, where: str) -> IRVerifyError:
     return IRVerifyError(f"{where}: {msg}\n{print_op_context(root, op, note=msg)}")
 
 
-def verify(graph: Graph, where: str = "verify") -> None:
-    """Check ``graph``; raise :class:`IRVerifyError` naming the first fault."""
-    _verify(graph, where, set(), graph, _LazyNames(graph), None)
+def verify(graph: Graph, where: str = "verify", seen: dict[int, Graph] | None = None) -> None:
+    """Check ``graph``; raise :class:`IRVerifyError` naming the first fault.
+
+    ``seen``: regions already verified (by identity), skipped, and filled with those
+    verified now. Graphs are immutable, so a pass that keeps a region keeps it verified:
+    the pass manager verifies only what each pass changed."""
+    _verify(graph, where, (), graph, _LazyNames(graph), None, seen)
 
 
 class _LazyNames:
@@ -105,8 +118,8 @@ class _LazyNames:
         return self.get(v, "") != ""
 
 
-def _verify(graph: Graph, where: str, outer_defined: set[Value], root: Graph,
-            names: _LazyNames, owner: Op | None) -> None:
+def _verify(graph: Graph, where: str, outer_scopes: tuple[set[Value], ...], root: Graph,
+            names: _LazyNames, owner: Op | None, seen: dict[int, Graph] | None = None) -> None:
     """``root`` is the top-level graph (messages show its text and its value names);
     ``owner`` is the op whose region ``graph`` is (``None`` at top level)."""
     def name(v: Value) -> str:
@@ -120,7 +133,8 @@ def _verify(graph: Graph, where: str, outer_defined: set[Value], root: Graph,
     for op in graph.ops:
         for i, v in enumerate(op.operands):
             if v not in defined:
-                scope = " (regions are isolated: pass it as an operand)" if v in outer_defined else ""
+                outer = any(v in d for d in outer_scopes)
+                scope = " (regions are isolated: pass it as an operand)" if outer else ""
                 never = "" if v in names else ", and never defined"
                 raise _fail(root, op, f"operand {i} ({name(v)}) of {op.name} is used before it "
                                       f"is defined{never}{scope}", where)
@@ -129,24 +143,34 @@ def _verify(graph: Graph, where: str, outer_defined: set[Value], root: Graph,
                 raise _fail(root, op, f"result {j} ({name(r)}) of {op.name} is already defined",
                             where)
             defined.add(r)
-        refs = map_region_refs(op.attrs)
-        if sorted(set(refs)) != list(range(len(op.regions))):
+        # (an op without regions is checked for dangling references only by a cheap scan)
+        refs = map_region_refs(op.attrs) if op.regions or _has_ref(op.attrs) else ()
+        if op.regions and sorted(set(refs)) != list(range(len(op.regions))) or \
+                not op.regions and refs:
             raise _fail(root, op, f"{op.name} has {len(op.regions)} regions but its attributes "
                                   f"reference {sorted(set(refs))}", where)
         rule = OP_RULES.get(op.name)
         msg = rule(op) if rule else None
         if msg:
             raise _fail(root, op, f"{op.name}: {msg}", where)
-        if op.name not in REPLICA_REDUCING_OPS and not op.regions:
+        if op.name not in REPLICA_REDUCING_OPS and not op.regions and any(
+                r.type.replica is Replica.MIRRORED for r in op.results):
             for j, r in enumerate(op.results):
-                bad = [name(v) for v in op.operands if v.type.replica is Replica.VARYING]
-                if r.type.replica is Replica.MIRRORED and bad:
+                # names only for the message: printing the graph's names costs a walk of it
+                bad = [name(v) for v in op.operands if v.type.replica is Replica.VARYING] \
+                    if r.type.replica is Replica.MIRRORED else []
+                if bad:
                     raise _fail(root, op, f"{op.name} has varying operand(s) {', '.join(bad)} but "
                                           f"a mirrored result {name(r)}; only cross-replica "
                                           "reductions make values mirrored", where)
         for region in op.regions:
-            _verify(region, f"{where} (region of {op.name})", defined | outer_defined, root,
-                    names, op)
+            if seen is not None and seen.get(id(region)) is region:
+                continue
+            # scopes are a chain (copying the defined set per region is quadratic)
+            _verify(region, f"{where} (region of {op.name})", (defined,) + outer_scopes, root,
+                    names, op, seen)
+            if seen is not None:
+                seen[id(region)] = region  # (kept alive, so its id is not reused)
     for i, v in enumerate(graph.outputs):
         if v not in defined:
             what = "the graph" if owner is None else f"the region of {owner.name}"

@@ -54,7 +54,7 @@ from compiler.trace import LeafSpec, trace_replica_fn
 from ir.graph import Graph, Value
 from ir.types import Replica, SymDim, TensorType
 from runtime.per_replica import LEAF_TREEDEF, PerReplica
-from runtime.replicate import leaf_sig
+from runtime.program import Program, leaf_sig
 
 log = logging.getLogger("runtime")
 
@@ -399,7 +399,6 @@ class DynamicPath:
         return res
 
     def build(self, leaves, treedef, per_leaf, syms, buckets, bounds, key) -> Any:
-        from runtime.replicate import _Program
         rep = self.rep
         graph, t_import, _, specs, out_td = self.trace(leaves, treedef, per_leaf, syms, bounds)
         size_td = jax.tree.structure(tuple(range(len(syms))))
@@ -432,7 +431,7 @@ class DynamicPath:
             if s.varying:
                 shape = (n * shape[0],) + shape[1:] if shape else (n,)
             gavals.append(jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type))
-        prog = _Program(rep, pm.records, jitted, jitted.lower(*gavals), in_layout, out_td,
+        prog = Program(rep, pm.records, jitted, jitted.lower(*gavals), in_layout, out_td,
                         out_varying, out_ranks)
         prog.key = key
         # which axes of each output are padded (symbol per axis), from the symbolic graph
@@ -457,7 +456,7 @@ class DynamicPath:
                     flat.append(_pad_host(arrs, shape, dtype, n))
                 else:  # device arrays: pad each on its device, then assemble
                     arrs = [a if isinstance(a, jax.Array) else np.asarray(a) for a in arrs]
-                    flat.extend(rep._global_inputs(PerReplica([_pad(a, to) for a in arrs]),
+                    flat.extend(rep.layout.global_inputs(PerReplica([_pad(a, to) for a in arrs]),
                                                    (LEAF_TREEDEF, (len(shape),))))
         try:
             outs = prog.call(*flat)
@@ -468,7 +467,7 @@ class DynamicPath:
         res = []
         for o, v, r, pad in zip(outs, prog.out_varying, prog.out_ranks, prog.dyn_out_pad):
             if not pad:
-                res.append(rep._split(o, r) if v else o)
+                res.append(rep.layout.split(o, r) if v else o)
             else:
                 res.append(_unpadded(rep, o, v, r, pad, ready.sizes))
         return prog.out_treedef.unflatten(res)
@@ -521,7 +520,7 @@ def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tu
     """An output with padded axes (``pad``: axis -> symbol) as a deferred ``PerReplica``
     of each replica's value sliced back to its real sizes."""
     def values() -> list:
-        vals = rep._split(out, rank).values if varying else [out] * len(sizes)
+        vals = rep.layout.split(out, rank).values if varying else [out] * len(sizes)
         return [x[tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
                         for a in range(rank))] for i, x in enumerate(vals)]
     return PerReplica.deferred(len(sizes), values, (out,))

@@ -353,6 +353,7 @@ class PersistentCache:
             "format": FORMAT, "digest": d, "entries": entries, "created": time.time(),
             "executable": exe, "in_tree": in_tree, "out_tree": out_tree,
             "key": program.key, "in_layout": program.in_layout,
+            "entry_tree": program.entry_tree,
             "out_treedef": program.out_treedef, "out_varying": list(program.out_varying),
             "out_ranks": list(program.out_ranks), "donated": tuple(program.donated),
             "records": [(r.name, r.seconds, str(r.graph)) for r in program.records],
@@ -458,18 +459,16 @@ def _restore(owner: Any, rec: dict[str, Any]) -> Any:
     from jax.experimental import serialize_executable as se
 
     from compiler.pass_manager import PassRecord
-    from ir import _jax_compat as jc
-    from runtime.replicate import _Program
+    from runtime.program import Program
 
     compiled = se.deserialize_and_load(rec["executable"], rec["in_tree"], rec["out_tree"],
                                        execution_devices=list(owner.mesh.devices.flat))
     records = [PassRecord(name, seconds, _LazyGraph(text)) for name, seconds, text in rec["records"]]
-    prog = _Program(owner, records, None, None, rec["in_layout"], rec["out_treedef"],
-                    rec["out_varying"], rec["out_ranks"])
+    prog = Program(owner, records, None, None, rec["in_layout"], rec["out_treedef"],
+                   rec["out_varying"], rec["out_ranks"], entry_tree=rec.get("entry_tree"))
     prog.key = rec["key"]
     prog.donated = tuple(rec.get("donated", ()))
-    prog.jax_compiled = compiled
-    prog.call = jc.fast_callable(compiled)
+    prog.set_executable(compiled)
     prog.stablehlo_text = rec.get("stablehlo")
     prog.from_disk = True
     return prog

@@ -145,7 +145,7 @@ def _value_sides(graph: Graph, values: Iterable, jax_shardings: list, paths: lis
 
 def build_report(program: Any, input_paths: list[str] | None = None,
                  output_paths: list[str] | None = None) -> dict[str, Any]:
-    """The report of one compiled program (a ``runtime.replicate._Program`` with its
+    """The report of one compiled program (a ``runtime.program.Program`` with its
     executable): flops and bytes accessed (XLA's ``cost_analysis``), memory per device
     (``memory_analysis``: the SPMD program is the same on every device), the collectives
     of the partitioned HLO (``compiler.hlo_report.to_json``), each flat input's and

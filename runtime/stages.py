@@ -9,7 +9,7 @@ from ir.graph import Graph
 from ir.printer import value_names
 
 if TYPE_CHECKING:
-    from runtime.replicate import _Program
+    from runtime.program import Program as _Program
 
 
 class Lowered:
@@ -32,6 +32,10 @@ class Lowered:
         key = after.replace("_", "-")
         for r in recs:
             if r.name == key:
+                if r.graph is None:
+                    raise KeyError(f"the IR after {after!r} was not kept for a step compiled by "
+                                   f"calling it; step.lower(*args).ir(after={after!r}) keeps "
+                                   f"every pass's IR")
                 return r.graph
         raise KeyError(f"no pass named {after!r}; passes: {', '.join(self.pass_names)}")
 
@@ -50,8 +54,17 @@ class Lowered:
         return f"{value}: {v.type}\n" + sharding_view.render(tuple(v.type.shape), v.type.sharding, k)
 
     def pass_times(self) -> dict[str, float]:
-        """Seconds spent in each stage."""
-        return {r.name: r.seconds for r in self._program.records}
+        """Seconds spent in each stage: ``import`` (the trace of the step), each pass, and
+        when known the lowering's two parts (the IR evaluated under ``jax.jit``, then
+        JAX's lowering to StableHLO)."""
+        out = {r.name: r.seconds for r in self._program.records}
+        out.update(getattr(self._program, "lower_times", {}))
+        return out
+
+    def import_times(self) -> dict[str, float]:
+        """The ``import`` stage split: JAX's trace of the step (``"trace"``) and the
+        jaxpr's import into the IR (``"import"``), when known."""
+        return dict(getattr(self._program, "import_split", {}))
 
     def as_text(self) -> str:
         return self._program.jax_lowered.as_text()

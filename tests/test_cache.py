@@ -312,3 +312,48 @@ def test_fast_path_keeps_weak_types_apart():
     assert strong.values[0].dtype == jnp.float32
     assert weak.values[0].dtype == jax.jit(f)(weak_batch[:1]).dtype == jnp.bfloat16
     assert step.cache_info().misses == 2
+
+
+# -- the C++ hit path of all-mirrored programs (issue 15) --------------------------------
+def test_all_mirrored_hits_take_the_executables_own_dispatch(monkeypatch):
+    """After the first call, an all-mirrored step is served by its executable's C++
+    dispatch: the Python path is not entered again, and the hits are still counted."""
+    step = rt.replicate(_axpy, num_replicas=2)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    step(x, 1.0)
+    assert step._hit is not None
+    monkeypatch.setattr(type(step), "_call", lambda self, args: pytest.fail("slow path taken"))
+    for i in range(3):
+        np.testing.assert_allclose(step(x, 2.0 + i), x * 2 + 2.0 + i)
+    assert step.cache_info() == rt.CacheInfo(hits=3, misses=1, currsize=1)
+
+
+def test_hit_path_keeps_weak_types_apart_and_refuses_per_replica():
+    """The executable's own dispatch ignores weak types; the check on its cache misses does
+    not: a weak array gets its own program (with JAX's promotion), and a PerReplica
+    argument goes to the general path."""
+    f = lambda x: x * jnp.ones((), jnp.bfloat16)  # noqa: E731
+    step = rt.replicate(f, num_replicas=2)
+    strong = jnp.ones((2, 3), jnp.float32)
+    weak = jnp.broadcast_to(jnp.asarray(1.0), (2, 3))
+    for _ in range(2):
+        assert step(strong).dtype == jax.jit(f)(strong).dtype == jnp.float32
+        assert step(weak).dtype == jax.jit(f)(weak).dtype == jnp.bfloat16
+    assert step.cache_info().misses == 2
+    out = step(rt.distribute(strong, 2))
+    assert isinstance(out, rt.PerReplica) and out.values[1].shape == (1, 3)
+    assert step(strong).dtype == jnp.float32 and step.cache_info().misses == 3
+
+
+def test_hit_path_alternating_signatures_and_aot_compiled():
+    step = rt.replicate(lambda a: a.sum(0) * 2, num_replicas=4)
+    a, b = np.ones((3, 2), np.float32), np.ones((5, 2), np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(step(a), [6, 6])
+        np.testing.assert_allclose(step(b), [10, 10])
+    assert step.cache_info() == rt.CacheInfo(hits=4, misses=2, currsize=2)
+    compiled = step.lower(a).compile()
+    np.testing.assert_allclose(compiled(a), [6, 6])
+    with pytest.raises(TypeError, match=r"argument leaf 0: the compiled step takes float32\[3, 2\] "
+                                        r"but was called with float32\[5, 2\]"):
+        compiled(b)

@@ -60,8 +60,8 @@ def test_values_live_on_their_replicas_device():
     step = rt.replicate(_step, num_replicas=N)
     out = step(w, rt.PerReplica(xs))
     for r in range(N):
-        assert out["h"].values[r].devices() == {step._replica_devices[r]}
-        assert out["loss"].values[r].devices() == {step._replica_devices[r]}
+        assert out["h"].values[r].devices() == {step.layout.replica_devices[r]}
+        assert out["loss"].values[r].devices() == {step.layout.replica_devices[r]}
 
 
 @pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])

@@ -349,7 +349,7 @@ def test_per_replica_device_arrays_wherever_they_are(placement, logical_devices)
     rng = np.random.default_rng(3)
     host = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(n)]
     scal = [np.float32(r + 1) for r in range(n)]
-    devs = [step._devices_nk[r, 0] for r in range(n)]
+    devs = [step.layout.devices_nk[r, 0] for r in range(n)]
     place = {
         "own": lambda r, a: jax.device_put(a, devs[r]),
         "device0": lambda r, a: jax.device_put(a, jax.devices()[0]),
@@ -363,7 +363,7 @@ def test_per_replica_device_arrays_wherever_they_are(placement, logical_devices)
     for r in range(n):
         np.testing.assert_allclose(np.asarray(y.values[r]), host[r] @ host[r].T * scal[r], rtol=1e-5)
         assert float(s2.values[r]) == 2 * scal[r]
-        assert y.values[r].devices() == {step._replica_devices[r]}
+        assert y.values[r].devices() == {step.layout.replica_devices[r]}
 
 
 def test_run_options_hash_with_list_and_dict_fields():

@@ -342,7 +342,7 @@ def test_report_is_one_shared_module():
     import inspect as pyinspect
     src = pyinspect.getsource(tinspect)
     assert "runtime.report" in src and "cost_analysis" not in src
-    assert "write_dump" in pyinspect.getsource(__import__("runtime.replicate", fromlist=["x"]))
+    assert "write_dump" in pyinspect.getsource(__import__("runtime.program", fromlist=["x"]))
 
 
 def test_xla_flags_rewrite():

@@ -1,0 +1,108 @@
+"""How our compile stages scale with the size of the step: an unrolled MLP of L layers
+(dense, layer norm, tanh; value_and_grad and SGD) on 8 replicas, for L in 2, 8, 32, 128.
+
+For each L: IR ops after the passes; the stages (JAX's trace of the step, its import into
+the IR, the passes, the second trace of the IR under ``jax.jit``, JAX's lowering to
+StableHLO) and XLA's compile; our time per IR op (flat = linear total); and our own
+stages (import, passes, second trace: what ``jax.jit`` does not do) as a share of XLA's
+compile (target: under 25% at 32 layers and above); with ``jax.jit``'s trace+lower and
+compile of the same global step for comparison. Medians of
+``--reps`` cold builds (fresh functions, so no cache hits).
+
+    .venv/bin/python benchmarks/bench_scaling.py [--reps 3] [--layers 2,8,32,128]
+"""
+from __future__ import annotations
+
+import _common  # noqa: F401  (sets XLA_FLAGS and sys.path before JAX is imported)
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import runtime as rt  # noqa: E402
+
+D, BATCH = 64, 256
+SHARE_TARGET = 0.25
+
+
+def make_step(layers: int):
+    def step(params, x, y):
+        def loss(p):
+            h = x
+            for w, g in p:
+                h = h @ w
+                h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5) * g
+                h = jnp.tanh(h)
+            return jnp.mean((h - y) ** 2)
+        l, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda a, b: a - 0.01 * b, params, grads), l
+    return step
+
+
+def main() -> None:
+    ap = _common.parser(__doc__, reps=3)
+    ap.add_argument("--layers", default="2,8,32,128", help="comma-separated layer counts")
+    args = ap.parse_args()
+    n = min(8, len(jax.devices()))
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("data",))
+    d, r = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    rows = []
+    for L in [int(v) for v in args.layers.split(",")]:
+        params = [(jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32))
+                  for _ in range(L)]
+        x = jax.ShapeDtypeStruct((BATCH // n, D), jnp.float32)
+        xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
+        stages: dict[str, list[float]] = {}
+        xla, ref_lower, ref_comp, n_ops = [], [], [], 0
+        for _ in range(args.reps):
+            step = rt.replicate(make_step(L), num_replicas=n)
+            lowered = step.lower(params, rt.PerReplica([x] * n), rt.PerReplica([x] * n))
+            t0 = time.perf_counter()
+            lowered.compile()
+            xla.append(time.perf_counter() - t0)
+            times = lowered.pass_times()
+            split = lowered.import_times()
+            times.pop("import")
+            ours = {"trace": split["trace"], "import": split["import"]}
+            ours["second trace"] = times.pop("retrace (IR under jax.jit)", 0.0)
+            ours["StableHLO"] = times.pop("lower to StableHLO", 0.0)
+            ours["passes"] = sum(times.values())
+            for k, v in ours.items():
+                stages.setdefault(k, []).append(v)
+            n_ops = sum(1 for _ in lowered.ir().walk())
+            jitted = jax.jit(make_step(L), in_shardings=(r, d, d), out_shardings=(r, r))
+            t0 = time.perf_counter()
+            jl = jitted.lower(params, xg, xg)
+            t1 = time.perf_counter()
+            jl.compile()
+            ref_lower.append(t1 - t0)
+            ref_comp.append(time.perf_counter() - t1)
+        med = {k: statistics.median(v) for k, v in stages.items()}
+        total = sum(med.values())
+        own = med["import"] + med["passes"] + med["second trace"]
+        rows.append((L, n_ops, med, total, own, statistics.median(xla),
+                     statistics.median(ref_lower), statistics.median(ref_comp)))
+    print(f"jax {jax.__version__}, {n} CPU devices; medians of {args.reps} cold builds; ms")
+    print(f"{'layers':>6} {'IR ops':>7} {'trace':>7} {'import':>7} {'passes':>7} {'retrace':>8} "
+          f"{'HLO':>7} {'total':>7} {'us/op':>6} {'XLA':>8} {'own/XLA':>8} | {'jit lower':>9} "
+          f"{'jit XLA':>8}")
+    for L, ops, med, total, own, xla_t, rl, rc in rows:
+        share = own / xla_t
+        flag = "" if L < 32 else ("  OK" if share <= SHARE_TARGET else "  OVER")
+        print(f"{L:>6} {ops:>7} {med['trace'] * 1e3:>7.1f} {med['import'] * 1e3:>7.1f} "
+              f"{med['passes'] * 1e3:>7.1f} {med['second trace'] * 1e3:>8.1f} "
+              f"{med['StableHLO'] * 1e3:>7.1f} {total * 1e3:>7.1f} {total / ops * 1e6:>6.1f} "
+              f"{xla_t * 1e3:>8.1f} {share:>7.0%}{flag} | {rl * 1e3:>9.1f} {rc * 1e3:>8.1f}")
+    per_op = [total / ops for _, ops, _, total, *_ in rows if ops >= 1000] or \
+        [total / ops for _, ops, _, total, *_ in rows]
+    print(f"-- our time per IR op from 1,000 ops up: {min(per_op) * 1e6:.1f}..{max(per_op) * 1e6:.1f}"
+          f" us (max/min {max(per_op) / min(per_op):.2f}: flat means linear); own = import + "
+          f"passes + second trace, target <= {SHARE_TARGET:.0%} of XLA at 32 layers and above")
+
+
+if __name__ == "__main__":
+    main()
