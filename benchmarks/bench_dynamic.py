@@ -11,6 +11,11 @@
    static ``replicate`` on the padded shape.
 3. Padding waste (padded rows / bucket rows) and compile count of pow2 vs auto over the
    sizes of 1.
+4. Device-array inputs (issue 15): the per-call time of a dynamic step whose every call
+   brings exact sizes never seen before, all inside one compiled bucket (target <= 1 ms,
+   and the same as repeating one size); and 40 calls with random sizes in [1, 256]
+   (pow2), compiles included, against ``jax.jit`` compiling every exact shape (target
+   <= 0.3x). Every per-replica result is read (``.values``).
 
     .venv/bin/python benchmarks/bench_dynamic.py [--calls 200] [--replicas 4] [--reps 300]
 
@@ -141,12 +146,64 @@ def fixed_bucket(rng, n: int, reps: int) -> None:
                    ref_name="static replicate", ratio_name="dynamic/static")
 
 
+def device_inputs(rng, n: int, reps: int) -> None:
+    """Part 4 (see the module docstring)."""
+    w = jax.device_put(rng.normal(size=(D, D)).astype(np.float32) * 0.1)
+    step = rt.replicate(step_fn, num_replicas=n, options=rt.RunOptions(dynamic_shapes=True))
+
+    def batch(sizes):
+        return ([jax.device_put(rng.normal(size=(s, D)).astype(np.float32)) for s in sizes],
+                [jax.device_put(rng.normal(size=(s, D)).astype(np.float32)) for s in sizes])
+    # one bucket (129..256): compile it, then time calls with sizes never seen and a repeat
+    pool = [int(v) for v in rng.permutation(np.arange(129, 257))]
+    _values(step(w, *map(rt.PerReplica, batch([256] * n))))
+    compiles = step.cache_info().misses
+    repeat = batch([200] * n)
+    _values(step(w, *map(rt.PerReplica, repeat)))
+    new_t, rep_t = [], []
+    for i in range(min(reps, len(pool) // n)):
+        xs, ys = batch(pool[i * n:(i + 1) * n])  # sizes this step has never seen
+        t0 = time.perf_counter()
+        _values(step(w, rt.PerReplica(xs), rt.PerReplica(ys)))
+        new_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _values(step(w, rt.PerReplica(repeat[0]), rt.PerReplica(repeat[1])))
+        rep_t.append(time.perf_counter() - t0)
+    assert step.cache_info().misses == compiles, "a new size inside the bucket compiled"
+    print(f"[4] device-array inputs, {n} replicas, bucket 256:")
+    _common.report("a call with exact sizes never seen, inside the compiled bucket", new_t,
+                   rep_t, None, ours_name="new sizes", ref_name="a repeated size",
+                   ratio_name="new/repeated")
+    med = sorted(new_t)[len(new_t) // 2]
+    print(f"   per call with new sizes: {_common.fmt(med)}  target <= 1 ms  "
+          f"[{'OK' if med <= 1e-3 else 'OVER TARGET'}]")
+    # 40 calls, random sizes in [1, 256], compiles included, vs jax.jit on exact shapes
+    sizes = rng.integers(1, 257, size=(40, n))
+    data = [batch(row) for row in sizes]
+    fresh = rt.replicate(step_fn, num_replicas=n, options=rt.RunOptions(
+        dynamic_shapes=True, bucketing="pow2", max_compiles_warning=None))
+    t0 = time.perf_counter()
+    for xs, ys in data:
+        _values(fresh(w, rt.PerReplica(xs), rt.PerReplica(ys)))
+    ours = time.perf_counter() - t0
+    jitted = jax.jit(step_fn)
+    t0 = time.perf_counter()
+    for xs, ys in data:
+        jax.block_until_ready([jitted(w, x, y) for x, y in zip(xs, ys)])
+    ref = time.perf_counter() - t0
+    ratio = ours / ref
+    print(f"   40 calls, random sizes in [1,256], pow2, compiles included: ours {ours:.2f} s "
+          f"({fresh.cache_info().misses} compiles), jax.jit on exact shapes {ref:.2f} s "
+          f"({len(set(sizes.ravel().tolist()))} shapes): ratio {ratio:.2f}x  target <= 0.3x  "
+          f"[{'OK' if ratio <= 0.3 else 'OVER TARGET'}]")
+
+
 def main() -> None:
     ap = _common.parser(__doc__, reps=300)
     ap.add_argument("--calls", type=int, default=200, help="calls in part 1 (default 200)")
     ap.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
-    ap.add_argument("--parts", default="fixed,random",
-                    help="which parts to run: fixed (2), random (1 and 3); default both")
+    ap.add_argument("--parts", default="fixed,random,device",
+                    help="which parts to run: fixed (2), random (1 and 3), device (4); default all")
     a = ap.parse_args()
     n = a.replicas
     if n > len(jax.devices()):
@@ -160,6 +217,8 @@ def main() -> None:
         fixed_bucket(rng, n, a.reps)
     if "random" in parts:
         random_sizes(rng, a.calls, n)
+    if "device" in parts:
+        device_inputs(rng, n, min(a.reps, 30))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ unpad (``RunOptions(dynamic_shapes=True)``).
   and more compiles than ``RunOptions(max_compiles_warning=...)`` warn once.
 - The real sizes go in as run-time ``s32`` arguments, one per replica per symbol (placed
   on the devices once per input signature); inputs are zero-padded at the end of each
-  dynamic axis (the masks make the result independent of what the padding holds);
+  dynamic axis (the masks make the result independent of what the padding holds), on
+  the host, device arrays included (padding on a device would compile a program per
+  exact size), unless they already have the bucket's shape; results are cut back to the
+  real sizes on the host when ``.values`` is read, for the same reason. Nothing is
+  compiled per exact size, only per bucket;
   outputs keep their padded axes sliced back to each replica's real size (deferred
   ``PerReplica`` values of different lengths).
 - Each exact input signature is planned once (:class:`_Ready`: program, size inputs,
@@ -454,10 +458,16 @@ class DynamicPath:
                 arrs = per if td == LEAF_TREEDEF else [p[j] for p in per]
                 if all(type(a) is np.ndarray for a in arrs):
                     flat.append(_pad_host(arrs, shape, dtype, n))
-                else:  # device arrays: pad each on its device, then assemble
-                    arrs = [a if isinstance(a, jax.Array) else np.asarray(a) for a in arrs]
-                    flat.extend(rep.layout.global_inputs(PerReplica([_pad(a, to) for a in arrs]),
-                                                   (LEAF_TREEDEF, (len(shape),))))
+                elif all(isinstance(a, jax.Array) and a.shape == shape for a in arrs):
+                    # device arrays already of the bucket's shape: nothing to pad
+                    flat.extend(rep.layout.global_inputs(PerReplica(arrs),
+                                                         (LEAF_TREEDEF, (len(shape),))))
+                else:
+                    # Device arrays of other sizes are padded on the host: padding on the
+                    # device would compile a program per exact input shape (tens of ms for
+                    # each new size); a copy to the host and back costs far less and does
+                    # not depend on whether the size was seen before.
+                    flat.append(_pad_host([np.asarray(a) for a in arrs], shape, dtype, n))
         try:
             outs = prog.call(*flat)
         except ValueError as e:
@@ -521,9 +531,23 @@ def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tu
     of each replica's value sliced back to its real sizes."""
     def values() -> list:
         vals = rep.layout.split(out, rank).values if varying else [out] * len(sizes)
-        return [x[tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
-                        for a in range(rank))] for i, x in enumerate(vals)]
+        return [_sliced(x, tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
+                                 for a in range(rank)), rep.layout.replica_devices[r])
+                for i, (x, r) in enumerate(zip(vals, rep.layout.local_replicas))]
     return PerReplica.deferred(len(sizes), values, (out,))
+
+
+def _sliced(x: jax.Array, index: tuple, device: Any) -> jax.Array:
+    """``x[index]`` (a bucket-sized value cut to its real size) without compiling a slice
+    program per exact size: cut on the host, put back where ``x`` lives (on the
+    replica's first device when its sharding cannot tile the real size)."""
+    if all(s.stop is None or s.stop == d for s, d in zip(index, x.shape)):
+        return x
+    part = np.asarray(x)[index]
+    try:
+        return jax.device_put(part, x.sharding)
+    except ValueError:
+        return jax.device_put(part, device)
 
 
 def _inconclusive(e: Exception, name: str, syms: tuple, bounds: dict) -> ValueError:
@@ -541,15 +565,6 @@ def _inconclusive(e: Exception, name: str, syms: tuple, bounds: dict) -> ValueEr
         f"dynamic shapes: tracing {name}{at} with dynamic dims ({dims}) needs a decision the "
         f"sizes do not settle ({first}); one trace serves every size, so code there must not "
         f"depend on how a dynamic size compares with a number: {todo}")
-
-
-def _pad(a: Any, to: dict[int, int]) -> Any:
-    widths = [(0, to[k] - d) if k in to else (0, 0) for k, d in enumerate(a.shape)]
-    if not any(w for _, w in widths):
-        return a
-    if isinstance(a, jax.Array):
-        return jax.numpy.pad(a, widths)
-    return np.pad(a, widths)
 
 
 def _with_bounds(graph: Graph, bounds: dict[str, int]) -> Graph:

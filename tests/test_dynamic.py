@@ -463,3 +463,30 @@ def test_persistent_cache_is_not_silently_ignored(tmp_path):
         step = rt.replicate(lambda x: x.sum(0), num_replicas=2, options=opts)
     out = step(rt.PerReplica([np.ones((3, 2), np.float32), np.ones((5, 2), np.float32)]))
     np.testing.assert_allclose(out.values[1], [5.0, 5.0])
+
+
+def test_new_exact_sizes_of_device_arrays_compile_nothing():
+    """Issue 15: inside a compiled bucket, device-array inputs of sizes never seen before
+    (and reading the sliced results) compile no program at all: no pad or slice program
+    per exact size (JAX's backend-compile event is counted)."""
+    import jax.monitoring
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **kw: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None)
+    step = rt.replicate(lambda x: (jnp.cumsum(x, axis=0) * 2, jnp.sum(x)), num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(7)
+    dev = lambda n: jax.device_put(rng.normal(size=(n, 3)).astype(np.float32))  # noqa: E731
+    first = step(rt.PerReplica([dev(16), dev(9)]))  # bucket 16: compiles our program
+    [v.block_until_ready() for v in first[0].values + first[1].values]  # (scalars: once per device)
+    before = len(compiles)
+    for sizes in [(9, 10), (11, 12), (13, 3), (15, 14), (1, 16)]:
+        xs = [dev(s) for s in sizes]
+        cum, tot = step(rt.PerReplica(xs))
+        for r, x in enumerate(xs):
+            assert cum.values[r].shape == x.shape
+            np.testing.assert_allclose(cum.values[r], np.cumsum(np.asarray(x), 0) * 2, rtol=1e-5)
+            np.testing.assert_allclose(tot.values[r], np.asarray(x).sum(), rtol=1e-5)
+    assert len(compiles) == before, f"{len(compiles) - before} programs compiled for new sizes"
+    assert step.cache_info().misses == 1
