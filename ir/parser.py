@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ir import ops
 from ir.errors import IRParseError, IRTypeError
 from ir.graph import Graph, Loc, Op, Opaque, RegionRef, Value
 from ir.types import Replica, Sharding, SymDim, TensorType, long_dtype, _LONG
@@ -373,13 +374,21 @@ class _Parser:
                 if not cur.accept(","):
                     break
             cur.expect("=")
+        cur.ws()
+        name_at = cur.i
         name = cur.word()
+        if not ops.is_known(name):
+            raise cur.error(f"unknown op {name!r} (neither one of this project's ops nor a "
+                            f"JAX primitive)", at=name_at)
         cur.expect("(")
         operands = []
         while not cur.accept(")"):
             operands.append(self.use(cur))
             if not cur.accept(",") and not cur.peek(")"):
                 raise cur.error("expected ',' or ')'")
+        bad = ops.arity_error(name, len(operands))
+        if bad:
+            raise cur.error(bad, at=name_at)
         attrs = []
         if cur.accept("{"):
             while not cur.accept("}"):

@@ -22,6 +22,28 @@ _SHORT = {
 _LONG = {v: k for k, v in _SHORT.items()}
 
 
+_KNOWN_DTYPES = set(_SHORT)
+
+
+def _known_dtype(name: str) -> bool:
+    """Is ``name`` a dtype numpy, ml_dtypes or JAX knows (``float8_e4m3b11fnuz``,
+    ``key<fry>``, ``float0``)? Known names are remembered."""
+    if not name or not isinstance(name, str):
+        return False
+    ok = name.startswith("key<") and name.endswith(">") or name == "float0"
+    if not ok:
+        import numpy as np
+        try:
+            np.dtype(name)
+            ok = True
+        except TypeError:
+            import ml_dtypes
+            ok = isinstance(getattr(ml_dtypes, name, None), type)
+    if ok:
+        _KNOWN_DTYPES.add(name)
+    return ok
+
+
 def short_dtype(name: str) -> str:
     """XLA's short spelling of a numpy/JAX dtype name (``float32`` -> ``f32``)."""
     return _SHORT.get(name, name)
@@ -139,8 +161,9 @@ class TensorType:
                 raise IRTypeError(f"shape entry {d!r} is neither an int nor a SymDim")
             if isinstance(d, int) and d < 0:
                 raise IRTypeError(f"shape {self.shape} has a negative dimension")
-        if not self.dtype:
-            raise IRTypeError("empty dtype")
+        if self.dtype not in _KNOWN_DTYPES and not _known_dtype(self.dtype):
+            raise IRTypeError(f"unknown dtype {short_dtype(self.dtype)!r}; known: "
+                              f"{', '.join(sorted(_LONG))}, key<impl>, ...")
 
     @property
     def rank(self) -> int:

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from ir import ops
 from ir.errors import IRVerifyError
 from ir.graph import Graph, Op, RegionRef, Value, map_region_refs
 from ir.printer import print_op_context, value_names
@@ -78,6 +79,10 @@ OP_RULES: dict[str, Callable[[Op], str | None]] = {
     "constant": _check_constant,
     **{name: _check_elementwise for name in _ELEMENTWISE},
 }
+
+
+#: op names already found known (JAX's primitive table is searched once per name)
+_known: set[str] = set()
 
 
 def _has_ref(attrs: tuple) -> bool:
@@ -151,6 +156,12 @@ def _verify(graph: Graph, where: str, outer_scopes: tuple[set[Value], ...], root
                                   f"reference {sorted(set(refs))}", where)
         rule = OP_RULES.get(op.name)
         msg = rule(op) if rule else None
+        if msg is None and op.name not in _known:
+            if not ops.is_known(op.name):
+                msg = "unknown op (neither one of this project's ops nor a JAX primitive)"
+            else:
+                _known.add(op.name)
+        msg = msg or ops.arity_error(op.name, len(op.operands))
         if msg:
             raise _fail(root, op, f"{op.name}: {msg}", where)
         if op.name not in REPLICA_REDUCING_OPS and not op.regions and any(

@@ -56,6 +56,12 @@ def split_to_logical_devices(x: Any, partition_dimensions: Sequence[int],
     With ``partial=True`` the product of the dims may be a divisor of K: each tile is
     then replicated over K / product devices (XLA's ``last_tile_dim_replicate``)."""
     k = _logical_devices("split_to_logical_devices")
+    if not isinstance(partition_dimensions, (list, tuple)) or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+            for d in partition_dimensions):
+        raise TypeError(f"split_to_logical_devices: partition_dimensions must be a list of "
+                        f"ints, one per dimension of the tensor (e.g. [1, {k}]), got "
+                        f"{partition_dimensions!r} ({_where()})")
     dims = [int(d) for d in partition_dimensions]
     shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
     where = _where()

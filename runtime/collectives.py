@@ -10,6 +10,7 @@ from jax import lax
 from compiler.trace import CURRENT_NUM_REPLICAS
 from ir import _jax_compat as jc
 from ir.jaxpr_import import REPLICA_AXIS
+from runtime.validate import user_line
 
 _OPS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
 
@@ -59,7 +60,8 @@ def all_reduce(x: Any, op: str = "sum") -> Any:
     holding the extremum, split equally among ties)."""
     _require_step("all_reduce")
     if op not in _OPS:
-        raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r}")
+        raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r} "
+                         f"({user_line(__file__)})")
     if op in ("max", "min"):
         return jax.tree.map(lambda a: _OPS[op](a) if jax.numpy.issubdtype(
             jax.numpy.result_type(a), jax.numpy.inexact) else
@@ -75,17 +77,24 @@ def all_gather(x: Any, axis: int = 0) -> Any:
         if not -rank <= axis < rank:
             raise ValueError(f"all_gather: axis {axis} is out of range for a value of shape "
                              f"{tuple(np.shape(leaf))} (rank {rank}); to gather scalars, "
-                             f"reshape them to shape (1,) first")
+                             f"reshape them to shape (1,) first ({user_line(__file__)})")
     return lax.all_gather(x, REPLICA_AXIS, axis=axis, tiled=True)
 
 
 def all_to_all(x: Any, split_axis: int, concat_axis: int) -> Any:
     """Split ``x`` along ``split_axis`` into N chunks, send chunk i to replica i, and
-    concatenate the received chunks along ``concat_axis``."""
+    concatenate the received chunks along ``concat_axis`` (negative axes count from the
+    end)."""
     n = _require_step("all_to_all")
+    rank = len(np.shape(x))
+    for name, ax in (("split_axis", split_axis), ("concat_axis", concat_axis)):
+        if not isinstance(ax, (int, np.integer)) or isinstance(ax, bool) or not -rank <= ax < rank:
+            raise ValueError(f"all_to_all: {name} {ax!r} is out of range for a value of shape "
+                             f"{tuple(np.shape(x))} (rank {rank}) ({user_line(__file__)})")
+    split_axis, concat_axis = int(split_axis) % rank, int(concat_axis) % rank
     if x.shape[split_axis] % n:
         raise ValueError(f"all_to_all: split_axis {split_axis} has size {x.shape[split_axis]}, "
-                         f"not divisible by {n} replicas")
+                         f"not divisible by {n} replicas ({user_line(__file__)})")
     return lax.all_to_all(x, REPLICA_AXIS, split_axis, concat_axis, tiled=True)
 
 
@@ -103,8 +112,8 @@ def local(tree: Any) -> Any:
     replica: ``inner = sgd(rt.local(params), support)``)."""
     _require_step("local")
 
-    def view(x):
+    for x in jax.tree.leaves(tree):
         if not hasattr(x, "dtype") and not isinstance(x, (bool, int, float, complex)):
-            raise TypeError(f"local: leaves must be arrays or numbers, got {type(x).__name__}")
-        return jc.to_varying(jax.numpy.asarray(x), REPLICA_AXIS)
-    return jax.tree.map(view, tree)
+            raise TypeError(f"local: leaves must be arrays or numbers, got {type(x).__name__} "
+                            f"({user_line(__file__)})")
+    return jax.tree.map(lambda x: jc.to_varying(jax.numpy.asarray(x), REPLICA_AXIS), tree)

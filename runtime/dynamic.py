@@ -139,8 +139,7 @@ def make_bucketer(spec: Any) -> Callable[[int, int | None], int]:
 
 def check_options(options: Any) -> None:
     """Validate the dynamic-shape fields of ``RunOptions`` (called when dynamic_shapes)."""
-    if isinstance(options.bucketing, str) and options.bucketing not in ("pow2", "none", "auto"):
-        make_bucketer(options.bucketing)
+    make_bucketer(options.bucketing)  # raises for a spec it cannot use
     if options.dynamic_dims is not None and not isinstance(options.dynamic_dims, dict):
         raise ValueError(f"RunOptions(dynamic_dims=...) must be a dict {{arg_index: axes}}, "
                          f"got {options.dynamic_dims!r}")
@@ -190,13 +189,44 @@ class DynamicPath:
         self.warned = False
 
     # -- planning a call -------------------------------------------------------------------
-    def _axes(self, arg: int, rank: int) -> dict[int, str]:
-        spec = (self.options.dynamic_dims or {}).get(arg, (0,))
+    def _axes(self, arg: int, rank: int, leaf: int = 0) -> dict[int, str]:
+        explicit = (self.options.dynamic_dims or {}).get(arg)
+        spec = (0,) if explicit is None else explicit
         if isinstance(spec, int):
             spec = (spec,)
         if not isinstance(spec, dict):
             spec = {a: ("b" if a == 0 else f"d{a}") for a in spec}
+        if explicit is not None:  # the default (axis 0) skips scalars; a named axis must exist
+            bad = [a for a in spec if not isinstance(a, int) or not -rank <= a < rank]
+            if bad:
+                raise ValueError(f"RunOptions(dynamic_dims={{{arg}: {explicit!r}}}): axis "
+                                 f"{bad[0]!r} is out of range for leaf {leaf} of argument {arg}, "
+                                 f"which has rank {rank}")
         return {a % rank: s for a, s in spec.items() if rank and -rank <= a < rank}
+
+    def _check_call(self, args: tuple) -> None:
+        """Options that name arguments must fit this call's arguments."""
+        ms, dd = self.options.maximum_shapes, self.options.dynamic_dims
+        if ms is not None:
+            if not isinstance(ms, (list, tuple)):
+                raise TypeError(f"RunOptions(maximum_shapes=...) must be a list with one entry "
+                                f"per argument, got {ms!r}")
+            if len(ms) > len(args):
+                raise ValueError(f"RunOptions(maximum_shapes=...) has {len(ms)} entries but the "
+                                 f"step was called with {len(args)} arguments")
+            for i, entry in enumerate(ms):
+                if entry is not None and not any(
+                        _is_pr(x) for x in jax.tree.leaves(args[i], is_leaf=_is_pr)):
+                    raise ValueError(f"RunOptions(maximum_shapes=...): entry {i} bounds argument "
+                                     f"{i}, which is mirrored (not a PerReplica): only "
+                                     f"per-replica arguments have dynamic dims")
+        for i in (dd or {}):
+            if not isinstance(i, int) or not 0 <= i < len(args):
+                raise ValueError(f"RunOptions(dynamic_dims=...): key {i!r} is not an argument "
+                                 f"index of a call with {len(args)} arguments")
+            if not any(_is_pr(x) for x in jax.tree.leaves(args[i], is_leaf=_is_pr)):
+                raise ValueError(f"RunOptions(dynamic_dims=...): argument {i} is mirrored (not "
+                                 f"a PerReplica): only per-replica arguments have dynamic dims")
 
     def _bounds(self, arg: int, inner_td: Any) -> list:
         ms = self.options.maximum_shapes
@@ -214,6 +244,7 @@ class DynamicPath:
     def plan(self, args: tuple) -> tuple:
         rep = self.rep
         n = rep.num_replicas
+        self._check_call(args)
         leaves, treedef = jax.tree_util.tree_flatten(args, _is_pr)
         arg_of = [i for i, a in enumerate(args) for _ in jax.tree_util.tree_flatten(a, _is_pr)[0]]
         sizes: list[dict[str, int]] = [{} for _ in range(n)]
@@ -236,10 +267,17 @@ class DynamicPath:
             leaf_bounds = self._bounds(arg, td0)
             inner = []
             for j in range(td0.num_leaves):
+                for r, v in enumerate(flat):
+                    if isinstance(v[0][j], jax.ShapeDtypeStruct):
+                        raise TypeError(
+                            f"dynamic shapes: PerReplica argument {arg} leaf {j} of replica {r} "
+                            f"is a jax.ShapeDtypeStruct; with RunOptions(dynamic_shapes=True) "
+                            f"the real sizes of arrays choose the buckets, so lower() and calls "
+                            f"need arrays (e.g. np.zeros of the sizes to plan for)")
                 arrs = [v[0][j] if isinstance(v[0][j], jax.Array) else np.asarray(v[0][j])
                         for v in flat]
                 rank = arrs[0].ndim
-                axes = self._axes(arg, rank)
+                axes = self._axes(arg, rank, j)
                 bound = leaf_bounds[j]
                 for r, a in enumerate(arrs):
                     if a.ndim != rank or a.dtype != arrs[0].dtype or any(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -112,67 +113,18 @@ class DistributedIterator:
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._done = False
-        self._thread = threading.Thread(target=self._produce, args=(iter(iterable),),
+        # The thread holds no reference to the iterator, only to what it needs: an
+        # iterator dropped without close() is collected, and its finalizer stops the thread.
+        placer = _Placer(num_replicas, self._sharding, self._local)
+        self._thread = threading.Thread(target=_produce,
+                                        args=(iter(iterable), placer, self._queue, self._stop),
                                         name="rt-distribute-iterator", daemon=True)
         self._thread.start()
-
-    # -- producer (background thread) ----------------------------------------------------
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self, it: Any) -> None:
-        try:
-            while not self._stop.is_set():
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    self._put(_END)
-                    return
-                if not self._put(self._place(batch)):
-                    return
-        except BaseException as e:  # handed to the consumer, raised by its next()
-            self._put(_Error(e))
-        finally:
-            close = getattr(it, "close", None)  # a generator source: run its finally blocks
-            if close is not None:
-                try:
-                    close()
-                except Exception:
-                    pass
+        weakref.finalize(self, self._stop.set)
 
     def _place(self, batch: Any) -> PerReplica:
-        """Split one global batch: device-put every leaf as a global array sharded over
-        the replicas; each replica's value is its shard (no copy)."""
-        if isinstance(batch, PerReplica):
-            return batch
-        leaves, treedef = jax.tree.flatten(batch)
-        n = self.num_replicas
-        glob = []
-        for leaf in leaves:
-            shape = np.shape(leaf)
-            if not shape or shape[0] % n:
-                raise ValueError(f"distribute_iterator: a batch leaf of shape {tuple(shape)} "
-                                 f"cannot be split over {n} replicas on axis 0")
-            if jax.process_count() > 1:
-                a = np.asarray(leaf)  # every process reads the same global batch
-                glob.append(jax.make_array_from_callback(a.shape, self._sharding,
-                                                         lambda idx, a=a: a[idx]))
-            else:
-                glob.append(jax.device_put(leaf, self._sharding))
-        shards = []
-        for g in glob:
-            by_dev = {s.device: s.data for s in g.addressable_shards}
-            shards.append([by_dev[d] for _, d in self._local])
-        out = PerReplica([treedef.unflatten([s[i] for s in shards])
-                          for i in range(len(self._local))])
-        out._global = (treedef, glob)
-        return out
+        """Split one global batch (see :class:`_Placer`)."""
+        return _Placer(self.num_replicas, self._sharding, self._local).place(batch)
 
     # -- consumer ---------------------------------------------------------------------------
     def __iter__(self) -> DistributedIterator:
@@ -217,11 +169,73 @@ class DistributedIterator:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
+
+
+class _Placer:
+    """What the producer thread needs to place batches (and nothing of the iterator)."""
+
+    def __init__(self, num_replicas: int, sharding: Any, local: list):
+        self.num_replicas, self._sharding, self._local = num_replicas, sharding, local
+
+    def place(self, batch: Any) -> PerReplica:
+        """Split one global batch: device-put every leaf as a global array sharded over
+        the replicas; each replica's value is its shard (no copy)."""
+        if isinstance(batch, PerReplica):
+            return batch
+        leaves, treedef = jax.tree.flatten(batch)
+        n = self.num_replicas
+        glob = []
+        for leaf in leaves:
+            shape = np.shape(leaf)
+            if not shape or shape[0] % n:
+                raise ValueError(f"distribute_iterator: a batch leaf of shape {tuple(shape)} "
+                                 f"cannot be split over {n} replicas on axis 0")
+            if jax.process_count() > 1:
+                a = np.asarray(leaf)  # every process reads the same global batch
+                glob.append(jax.make_array_from_callback(a.shape, self._sharding,
+                                                         lambda idx, a=a: a[idx]))
+            else:
+                glob.append(jax.device_put(leaf, self._sharding))
+        shards = []
+        for g in glob:
+            by_dev = {s.device: s.data for s in g.addressable_shards}
+            shards.append([by_dev[d] for _, d in self._local])
+        out = PerReplica([treedef.unflatten([s[i] for s in shards])
+                          for i in range(len(self._local))])
+        out._global = (treedef, glob)
+        return out
+
+
+def _put(q: queue.Queue, stop: threading.Event, item: Any) -> bool:
+    while not stop.is_set():
         try:
-            self._stop.set()
-        except Exception:
-            pass
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(it: Any, placer: _Placer, q: queue.Queue, stop: threading.Event) -> None:
+    """The producer thread: place batches into ``q`` until the data ends or ``stop``."""
+    try:
+        while not stop.is_set():
+            try:
+                batch = next(it)
+            except StopIteration:
+                _put(q, stop, _END)
+                return
+            if not _put(q, stop, placer.place(batch)):
+                return
+    except BaseException as e:  # handed to the consumer, raised by its next()
+        _put(q, stop, _Error(e))
+    finally:
+        close = getattr(it, "close", None)  # a generator source: run its finally blocks
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                pass
 
 
 def distribute_iterator(iterable: Iterable[Any], num_replicas: int | None = None,

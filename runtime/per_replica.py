@@ -68,7 +68,12 @@ class PerReplica:
         return self.values[r]
 
     def __iter__(self):
-        return iter(self.values)
+        # ``a, b = rt.distribute((x, y), 2)`` would silently unpack the *replicas*
+        raise TypeError(
+            f"a PerReplica cannot be iterated or unpacked (it holds {self._n} replicas' "
+            f"values, not the items of each value): pass it to a step whole, read "
+            f"`.values` for the per-replica values, or distribute each item separately "
+            f"(`rt.distribute(x, n), rt.distribute(y, n)`)")
 
     def __repr__(self) -> str:
         return f"PerReplica({list(self.values)!r})"
@@ -168,6 +173,14 @@ def reduce(op: str, value: Any, axis: int | None = None,
 
     def red(*xs):
         xs = [np.asarray(x) for x in xs]
+        for r, x in enumerate(xs):
+            if x.dtype.kind not in "biufc":
+                raise TypeError(f"reduce: replica {r}'s value is {x.dtype} ({x.ravel()[:1]!r}); "
+                                f"only numbers can be reduced")
+            if axis is None and x.shape != xs[0].shape:
+                raise ValueError(f"reduce: replica {r}'s value has shape {x.shape} but replica "
+                                 f"0's has {xs[0].shape}; reducing across replicas with "
+                                 f"axis=None needs equal shapes (axis=k concatenates along k)")
         if axis is None:
             return fn(np.stack(xs), axis=0)
         if not -xs[0].ndim <= axis < xs[0].ndim:
@@ -184,6 +197,9 @@ def reduce(op: str, value: Any, axis: int | None = None,
                     f"replicas but num_replicas={num_replicas}")
             n = num_replicas
         x = _on_host(v)
+        if x.dtype.kind not in "biufc":
+            raise TypeError(f"reduce: value{jax.tree_util.keystr(path)} is {x.dtype} "
+                            f"({x.ravel()[:1]!r}); only numbers can be reduced")
         if n is None:
             if op != "sum":
                 n = 1  # the mean, max or min of N copies of x is x, whatever N is

@@ -263,6 +263,32 @@ def cache_dir_for(options: Any) -> str | None:
     return getattr(options, "cache_dir", None) or os.environ.get(CACHE_ENV) or None
 
 
+_unusable_warned: set[str] = set()
+
+
+def usable_cache_dir(options: Any) -> str | None:
+    """:func:`cache_dir_for`, or ``None`` (run uncached) when that folder cannot be used: a
+    file is in the way, or it cannot be created or written. Warns once per folder: a
+    broken cache must cost the compile it would have saved, never the step."""
+    root = cache_dir_for(options)
+    if not root:
+        return None
+    rt_dir = os.path.join(os.path.abspath(root), "rt")
+    try:
+        os.makedirs(rt_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=rt_dir, prefix=".probe-")
+        os.close(fd)
+        os.remove(probe)
+        return root
+    except OSError as e:
+        if root not in _unusable_warned:
+            _unusable_warned.add(root)
+            warnings.warn(f"persistent cache {root!r} cannot be used ({e.strerror or e}: "
+                          f"{getattr(e, 'filename', '') or rt_dir}); running without it",
+                          RuntimeWarning, stacklevel=4)
+        return None
+
+
 def configure_jax_cache(xla_dir: str) -> None:
     """Point JAX's persistent compilation cache at ``xla_dir`` (process-wide; the first
     directory wins: a later, different one only warns)."""
@@ -408,6 +434,11 @@ class PersistentCache:
         entries = key_entries(owner, key)
         d = digest(entries)
         rec = self.load(d)
+        if rec is not None and (rec.get("digest") != d or rec.get("entries") != entries):
+            # a record under this name whose own key is another's (copied or renamed
+            # files): never run it, whatever its checksum says
+            self._bad(self.path(d), "holds the record of another key")
+            rec = None
         if rec is not None and rec.get("executable") is not None:
             try:
                 prog = _restore(owner, rec)

@@ -265,6 +265,9 @@ class Program:
         layout: Layout = self.owner.layout
         if self.entry_tree is not None:
             return self._run_entry(leaves)
+        if self.donated:
+            from runtime.validate import check_donated_distinct
+            check_donated_distinct(leaves, self.donated)
         flat = []
         for x, lay in zip(leaves, self.in_layout):
             if lay is None:
@@ -355,6 +358,8 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
             mask = [False if lay is None else [True] * len(lay[1]) for lay in in_layout]
             out = scan_steps(rep.fn, build_args(slots), build_args(mask), k_steps,
                              rep.step_outputs)
+        from runtime.validate import check_results
+        check_results(out, getattr(rep, "__name__", "step"))
         out_leaves, out_td = jax.tree.flatten(out)
         out_info["treedef"] = out_td
         return out_leaves

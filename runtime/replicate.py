@@ -29,6 +29,7 @@ from runtime.per_replica import LEAF_TREEDEF, PerReplica
 from runtime.program import STEP_OUTPUTS, Program, leaf_sig
 from runtime.stages import Lowered
 from runtime.sync_on_read import SyncOnRead
+from runtime import validate as _validate
 
 log = logging.getLogger("runtime")
 _tree_flatten = jax.tree_util.tree_flatten
@@ -62,6 +63,7 @@ class RunOptions:
     max_compiles_warning: int | None = 16
 
     def __post_init__(self) -> None:
+        _validate.run_options(self)
         if self.dynamic_shapes:
             from runtime.dynamic import check_options
             check_options(self)
@@ -89,15 +91,11 @@ class Replicated:
                  devices: Any = None, loss_reduction: str = "mean",
                  options: RunOptions | None = None, steps_per_call: int = 1,
                  donate: bool = False, step_outputs: str = "stack"):
-        if not isinstance(steps_per_call, int) or steps_per_call < 1:
-            raise ValueError(f"replicate: steps_per_call must be a positive int, got {steps_per_call!r}")
+        _validate.replicate_args(fn, num_replicas, logical_devices, devices, loss_reduction,
+                                 options, steps_per_call, donate, step_outputs, RunOptions)
         if step_outputs not in STEP_OUTPUTS:
             raise ValueError(f"replicate: step_outputs must be one of {STEP_OUTPUTS}, "
                              f"got {step_outputs!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"replicate: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if not isinstance(logical_devices, int) or logical_devices < 1:
-            raise ValueError(f"replicate: logical_devices must be a positive int, got {logical_devices!r}")
         if devices is not None:
             flat = list(np.asarray(devices, dtype=object).ravel())
             dups = sorted({str(d) for d in flat if flat.count(d) > 1})
@@ -107,8 +105,6 @@ class Replicated:
         avail = np.asarray(devices).size if devices is not None else len(jax.devices())
         if num_replicas is None:
             num_replicas = max(1, avail // logical_devices)
-        if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"replicate: num_replicas must be a positive int, got {num_replicas!r}")
         need = num_replicas * logical_devices
         if need > avail:
             raise ValueError(f"replicate: {num_replicas} replicas × {logical_devices} logical devices "
@@ -169,6 +165,8 @@ class Replicated:
             # types, which _fast_key_matches compares (a weak array must not run a strong
             # program), nor what only the per-replica values show (_fast_inputs).
             flat = leaves if not prog.pr_fast else self._fast_inputs(prog, leaves)
+            if flat is not None and prog.donated:
+                _validate.check_donated_distinct(leaves, prog.donated)
             if flat is not None:
                 try:
                     outs = prog.call(*flat)
@@ -289,7 +287,14 @@ class Replicated:
 
     def _key_from(self, leaves: list, treedef: Any) -> tuple:
         """The cache key: the structure and every leaf's signature (per-replica leaves
-        validated across replicas)."""
+        validated across replicas). A leaf that is not an array or a number is a
+        ``TypeError`` naming its path."""
+        is_value = _validate.is_leaf_value
+        for x in leaves:
+            if not is_value(x) and (type(x) is not PerReplica or (
+                    x._values is not None and not all(
+                        is_value(y) for v in x._values for y in jax.tree.leaves(v)))):
+                _validate.check_arguments(treedef.unflatten(leaves))
         return (treedef, tuple(self._sig(x, i) if type(x) is PerReplica else leaf_sig(x)
                                for i, x in enumerate(leaves)))
 
@@ -305,7 +310,7 @@ class Replicated:
         """A cache miss: the persistent cache's record when there is one, else
         trace, passes, lower and compile (and store the result on disk)."""
         from runtime import persistent
-        root = persistent.cache_dir_for(self.options)
+        root = persistent.usable_cache_dir(self.options)
         if not root:
             # only the final IR is needed to run (a dump or a record keeps them all)
             return _prog.build(self, leaves, treedef, key, keep=False).compile()

@@ -50,7 +50,7 @@ def test_block_until_ready_waits_without_splitting():
     same = jax.block_until_ready(out)
     assert same["loss"] is out["loss"]
     assert out["loss"]._values is None  # still one global array: nothing was split
-    np.testing.assert_allclose([float(v) for v in out["loss"]],
+    np.testing.assert_allclose([float(v) for v in out["loss"].values],
                                [float(want["loss"]) for want in _want(w, xs)], rtol=1e-6)
     assert out["loss"].block_until_ready() is out["loss"]
 
@@ -115,12 +115,12 @@ def test_a_result_fed_back_as_an_input(read_first):
         np.testing.assert_allclose(float(s2.values[r]), want_s1 + want_h1.sum(), rtol=1e-5)
 
 
-def test_deferred_repr_len_iter_index():
+def test_deferred_repr_len_index():
     w, xs = _data(6)
     out = rt.replicate(_step, num_replicas=N)(w, rt.PerReplica(xs))
     loss = out["loss"]
     assert len(loss) == N and loss._values is None
-    assert [float(v) for v in loss] == [float(loss[r]) for r in range(N)]
+    assert [float(v) for v in loss.values] == [float(loss[r]) for r in range(N)]
     assert repr(loss).startswith("PerReplica([Array(")
 
 

@@ -21,7 +21,10 @@ def _arange(*shape, scale=1.0):
 
 def test_per_replica_container():
     pr = rt.PerReplica([1, 2, 3])
-    assert pr.values == (1, 2, 3) and len(pr) == 3 and pr[1] == 2 and list(pr) == [1, 2, 3]
+    assert pr.values == (1, 2, 3) and len(pr) == 3 and pr[1] == 2
+    # unpacking would silently take the replicas for the items: refused (issue 11)
+    with pytest.raises(TypeError, match=r"cannot be iterated or unpacked \(it holds 3 replicas"):
+        a, b, c = pr
 
 
 def test_distribute_splits_every_leaf_along_axis_0():

@@ -24,6 +24,55 @@ class ToolError(Exception):
     """A user error a tool reports in one line and exits 2 on."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` with errors in one line (``prog: error: ... (see --help)``) and exit
+    status 2, like every other user error of the tools."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_debug_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, print the whole traceback instead of one line")
+
+
+def run_tool(prog: str, body: Any, debug: bool) -> int:
+    """Run ``body()`` (returns the exit status) and report any error as one line
+    ``<prog>: error: ...`` on stderr with status 2: a :class:`ToolError` as it is, any
+    other exception (from the user's code or ours) with its type; ``--debug`` re-raises,
+    so Python prints the traceback. ``KeyboardInterrupt`` is status 130."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - every error becomes one line
+        if debug:
+            raise
+        if isinstance(e, ToolError):
+            msg = str(e)
+        else:
+            first = (str(e).strip().splitlines() or [""])[0]
+            msg = f"{type(e).__name__}: {first}" + (" ..." if "\n" in str(e).strip() else "")
+        print(f"{prog}: error: {msg} (--debug shows the traceback)"
+              if not isinstance(e, ToolError) else f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def writable_dir(path: str, option: str) -> str:
+    """``path`` created if missing; a :class:`ToolError` when it cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ToolError(f"{option} {path}: cannot create it ({e.strerror})") from None
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ToolError(f"{option} {path}: not a writable folder")
+    return path
+
+
 def xla_flags_with_devices(flags: str, n: int) -> str:
     """``flags`` with its device-count flag replaced by ``n`` (added when absent)."""
     flags = _COUNT_RE.sub("", flags or "").strip()
@@ -91,7 +140,11 @@ def load_object(spec: str, what: str = "FUNCTION") -> Any:
 
 def call_make_args(make_args: Any, num_replicas: int, logical_devices: int) -> tuple:
     """``make_args()`` with the keywords it accepts among ``num_replicas`` and
-    ``logical_devices``; a non-tuple result is one argument."""
+    ``logical_devices``; a non-tuple result is one argument. A ``make_args`` that cannot be
+    called so, or that gives per-replica values for another replica count, is a
+    :class:`ToolError`."""
+    if not callable(make_args):
+        raise ToolError(f"--args: {make_args!r} is a {type(make_args).__name__}, not a function")
     try:
         params = _inspect.signature(make_args).parameters
     except (TypeError, ValueError):
@@ -99,8 +152,24 @@ def call_make_args(make_args: Any, num_replicas: int, logical_devices: int) -> t
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kw = {k: v for k, v in (("num_replicas", num_replicas), ("logical_devices", logical_devices))
           if var_kw or k in params}
+    required = [n for n, p in params.items() if p.default is p.empty and n not in kw
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required:
+        raise ToolError(f"--args: {getattr(make_args, '__name__', make_args)}() requires "
+                        f"{', '.join(required)}; it is called with no arguments, or with "
+                        f"num_replicas= and logical_devices= when it accepts them")
     args = make_args(**kw)
-    return args if isinstance(args, tuple) else (args,)
+    args = args if isinstance(args, tuple) else (args,)
+    from runtime.per_replica import PerReplica
+    import jax
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+            args, is_leaf=lambda x: isinstance(x, PerReplica))[0]:
+        if isinstance(leaf, PerReplica) and len(leaf) != num_replicas:
+            raise ToolError(f"--args: {getattr(make_args, '__name__', 'make_args')}() gave "
+                            f"args{jax.tree_util.keystr(path)} as a PerReplica of {len(leaf)} "
+                            f"values but --replicas is {num_replicas} (use its num_replicas "
+                            f"argument)")
+    return args
 
 
 def add_compile_options(p: argparse.ArgumentParser) -> None:
@@ -130,7 +199,8 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
 
 def check_compile_options(ns: argparse.Namespace) -> None:
     if ns.replicas < 1 or ns.logical_devices < 1:
-        raise ToolError("--replicas and --logical-devices must be positive")
+        raise ToolError(f"--replicas and --logical-devices must be positive, got "
+                        f"{ns.replicas} and {ns.logical_devices}")
     if not ns.args:
         raise ToolError("--args FILE.py:MAKE_ARGS is required to compile FILE.py:FUNCTION")
 
@@ -146,6 +216,8 @@ def lower_step(ns: argparse.Namespace, target: str) -> tuple[Any, Any, list[str]
     fn = load_object(target, "FUNCTION")
     if isinstance(fn, rt.Replicated):
         fn = fn.fn
+    if not callable(fn):
+        raise ToolError(f"{target} is a {type(fn).__name__} ({repr(fn)[:40]}), not a function")
     make_args = load_object(ns.args, "MAKE_ARGS")
     args = call_make_args(make_args, ns.replicas, ns.logical_devices)
     opts = {} if ns.pipeline is None else {"pipeline": ns.pipeline}

@@ -13,18 +13,20 @@ already runs with fewer devices the tool re-runs itself in a subprocess).
 """
 from __future__ import annotations
 
+from tools._common import ArgumentParser as _ArgumentParser  # noqa: E402
+
 import argparse
 import os
 import sys
 
-from tools._common import (ToolError, add_compile_options, check_compile_options,
-                           ensure_devices, lower_step, output_paths)
+from tools._common import (add_compile_options, add_debug_option, check_compile_options,
+                           ensure_devices, lower_step, output_paths, run_tool, writable_dir)
 
 DESCRIPTION = __doc__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _ArgumentParser(
         prog="python -m tools.inspect", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", metavar="FILE.py:FUNCTION",
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default: ./inspect-<FUNCTION>); created if missing")
     p.add_argument("--quiet", action="store_true", help="print only the output folder")
+    add_debug_option(p)
     return p
 
 
@@ -51,22 +54,22 @@ def run(ns: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
-    try:
+
+    def body() -> int:
         check_compile_options(ns)
         if ns.out is None:
             ns.out = os.path.abspath(f"inspect-{ns.target.rsplit(':', 1)[-1]}")
+        writable_dir(ns.out, "--out")
         # parse first, JAX later: the device count must be in XLA_FLAGS before it starts
         ensure_devices(ns.replicas * ns.logical_devices, "tools.inspect", argv, ns.platform)
         report = run(ns)
-    except ToolError as e:
-        print(f"inspect: error: {e}", file=sys.stderr)
-        return 2
-    from runtime.report import summary
-    if not ns.quiet:
-        print(summary(report))
-        print()
-    print(f"wrote {ns.out}/: ir/ stablehlo.mlir hlo.txt report.json")
-    return 0
+        from runtime.report import summary
+        if not ns.quiet:
+            print(summary(report))
+            print()
+        print(f"wrote {ns.out}/: ir/ stablehlo.mlir hlo.txt report.json")
+        return 0
+    return run_tool("inspect", body, ns.debug)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,17 @@ listed as added or removed.
 """
 from __future__ import annotations
 
+from tools._common import ArgumentParser as _ArgumentParser  # noqa: E402
+
 import argparse
 import html
 import os
 import sys
 from typing import Any
 
-from tools._common import (ToolError, add_compile_options, check_compile_options,
-                           ensure_devices, lower_step, pick_pass, read_ir_dir)
+from tools._common import (ToolError, add_compile_options, add_debug_option,
+                           check_compile_options, ensure_devices, lower_step, pick_pass,
+                           read_ir_dir, run_tool)
 
 # ------------------------------------------------------------------------- loading
 
@@ -277,7 +280,7 @@ ul.legend {{ list-style: none; padding: 0; }}
 # ---------------------------------------------------------------------------- CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.ir", description=__doc__,
+    p = _ArgumentParser(prog="python -m tools.ir", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -286,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an inspect output folder, an IR dump folder (NN-<pass>.txt), "
                              "or FILE.py:FUNCTION (then --args is required)")
         add_compile_options(sp)
+        add_debug_option(sp)
 
     def after(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--after", metavar="PASS", default=None,
@@ -334,31 +338,31 @@ def _write(path: str, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
-    try:
-        if ns.command == "show":
-            if ns.list:
-                for name, seconds, _ in load_passes(ns, argv):
-                    print(f"{name:24s} {seconds * 1e3:9.3f} ms")
-                return 0
-            name, g = _graph_after(ns, argv)
-            print(f"// after pass: {name}")
-            print(g)
-        elif ns.command == "diff":
-            stages = load_passes(ns, argv)
-            names = [s[0] for s in stages]
-            ia, ib = pick_pass(names, ns.pass_a), pick_pass(names, ns.pass_b)
-            lines = diff_graphs(stages[ia][2], stages[ib][2])
-            print(f"// diff {names[ia]} -> {names[ib]}")
-            print("\n".join(lines) if lines else "(no value changed)")
-        elif ns.command == "dot":
-            name, g = _graph_after(ns, argv)
-            _write(ns.output, to_dot(g, f"{g.name} after {name}"))
-        elif ns.command == "html":
-            name, g = _graph_after(ns, argv)
-            _write(ns.output, to_html(g, f"{g.name} after {name}"))
-    except ToolError as e:
-        print(f"ir: error: {e}", file=sys.stderr)
-        return 2
+    return run_tool("ir", lambda: _main(ns, argv), getattr(ns, "debug", False))
+
+
+def _main(ns: argparse.Namespace, argv: list[str]) -> int:
+    if ns.command == "show":
+        if ns.list:
+            for name, seconds, _ in load_passes(ns, argv):
+                print(f"{name:24s} {seconds * 1e3:9.3f} ms")
+            return 0
+        name, g = _graph_after(ns, argv)
+        print(f"// after pass: {name}")
+        print(g)
+    elif ns.command == "diff":
+        stages = load_passes(ns, argv)
+        names = [s[0] for s in stages]
+        ia, ib = pick_pass(names, ns.pass_a), pick_pass(names, ns.pass_b)
+        lines = diff_graphs(stages[ia][2], stages[ib][2])
+        print(f"// diff {names[ia]} -> {names[ib]}")
+        print("\n".join(lines) if lines else "(no value changed)")
+    elif ns.command == "dot":
+        name, g = _graph_after(ns, argv)
+        _write(ns.output, to_dot(g, f"{g.name} after {name}"))
+    elif ns.command == "html":
+        name, g = _graph_after(ns, argv)
+        _write(ns.output, to_html(g, f"{g.name} after {name}"))
     return 0
 
 

@@ -7,10 +7,14 @@ the variables ``rt.initialize_distributed()`` reads (``RT_COORDINATOR_ADDRESS`` 
 127.0.0.1 and a free port, ``RT_NUM_PROCESSES``, ``RT_PROCESS_ID``), ``JAX_PLATFORMS=cpu``
 unless set, and ``XLA_FLAGS`` giving each process ``--devices-per-process`` CPU devices.
 Every output line is prefixed with ``[p<id>]``. When one process fails (or the timeout
-passes) the others are killed; the exit status is the first failure's (124 on timeout),
-0 when all succeed.
+passes) the others are killed; the exit status is the first failure's (124 on timeout;
+128+N for a process killed by signal N, as a shell reports it), 0 when all succeed. A
+SIGTERM or SIGINT sent to the launcher is forwarded to every process (then the launcher
+exits 128+that signal).
 """
 from __future__ import annotations
+
+from tools._common import ArgumentParser as _ArgumentParser  # noqa: E402
 
 import argparse
 import os
@@ -68,6 +72,11 @@ def launch(n: int, argv: list[str], devices_per_process: int | None = 4,
     port = free_port()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    received: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, lambda s, _f: received.append(s))
     try:
         for pid in range(n):
             p = subprocess.Popen([sys.executable, *argv], env=_env(pid, n, port, devices_per_process),
@@ -80,11 +89,24 @@ def launch(n: int, argv: list[str], devices_per_process: int | None = 4,
         deadline = None if timeout is None else time.monotonic() + timeout
         status = 0
         while True:
+            if received:
+                sig = received[0]
+                out.write(f"[launch] received {signal.Signals(sig).name}; forwarding it to every "
+                          f"process\n")
+                for p in procs:
+                    _signal_group(p, sig)
+                _wait_all(procs, 10)
+                status = 128 + sig
+                break
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                i, status = failed[0]
-                out.write(f"[launch] process {i} exited with status {status}; killing the others\n")
+                i, code = failed[0]
+                # Popen reports death by signal N as -N; a shell (and we) report 128+N
+                status = 128 - code if code < 0 else code
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with status {code}")
+                out.write(f"[launch] process {i} {how}; killing the others\n")
                 break
             if all(c == 0 for c in codes):
                 break
@@ -95,6 +117,8 @@ def launch(n: int, argv: list[str], devices_per_process: int | None = 4,
             time.sleep(0.05)
         return status
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for p in procs:
             kill_group(p)
         for t in pumps:
@@ -102,17 +126,43 @@ def launch(n: int, argv: list[str], devices_per_process: int | None = 4,
         out.flush()
 
 
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def main(args: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.launch", description=__doc__.splitlines()[0])
-    ap.add_argument("-n", "--num-processes", type=int, required=True)
+    ap = _ArgumentParser(prog="python -m tools.launch", description=__doc__.splitlines()[0])
+    ap.add_argument("-n", "--num-processes", type=int, required=True,
+                    help="how many processes to start")
     ap.add_argument("--devices-per-process", type=int, default=4,
                     help="CPU devices per process (XLA_FLAGS); 0: leave XLA_FLAGS alone")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds before killing all")
-    ap.add_argument("script")
-    ap.add_argument("script_args", nargs=argparse.REMAINDER)
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds before killing all (status 124)")
+    ap.add_argument("script", help="the Python script every process runs")
+    ap.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     ns = ap.parse_args(args)
     if ns.num_processes < 1:
-        ap.error("-n must be at least 1")
+        ap.error(f"-n must be at least 1, got {ns.num_processes}")
+    if ns.devices_per_process < 0:
+        ap.error(f"--devices-per-process must be >= 0 (0: leave XLA_FLAGS alone), got "
+                 f"{ns.devices_per_process}")
+    if ns.timeout is not None and not ns.timeout > 0:
+        ap.error(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    if not os.path.isfile(ns.script):
+        ap.error(f"{ns.script}: no such file")
     return launch(ns.num_processes, [ns.script, *ns.script_args],
                   ns.devices_per_process or None, ns.timeout)
 
