@@ -57,8 +57,11 @@ def type_of_aval(aval: Any, replica: Replica | None = None) -> TensorType:
 
 
 class _Importer:
-    def __init__(self) -> None:
+    def __init__(self, fallback: Loc | None = None) -> None:
         self.env: dict[Any, Value] = {}
+        #: the location of the op whose region this is: the user's line for the ops of
+        #: a library call (``jnp.flip`` is a jitted function) that have none of their own
+        self.fallback = fallback
 
     def read(self, atom: Any, ops: list[Op]) -> Value:
         if isinstance(atom, jc.Literal):
@@ -95,11 +98,12 @@ class _Importer:
         outputs = [self.read(a, ops) for a in jaxpr.outvars]
         return Graph(tuple(inputs), tuple(ops), tuple(outputs), name)
 
-    def region(self, param: Any, closed: bool) -> Graph:
+    def region(self, param: Any, closed: bool, loc: Loc | None = None) -> Graph:
         jaxpr, consts = jc.jaxpr_parts(param)
         if not closed and (consts or jaxpr.constvars):
             raise ImportError_("open jaxpr parameters with constvars are not supported")
-        return _Importer().graph(jaxpr, consts, "region")
+        return _Importer(loc if loc is not None and loc.line else self.fallback).graph(
+            jaxpr, consts, "region")
 
     def eqn(self, eqn: Any, ops: list[Op]) -> None:
         operands = tuple(self.read(a, ops) for a in eqn.invars)
@@ -114,13 +118,15 @@ class _Importer:
         stack = jc.name_stack(eqn)
         if where is not None:
             loc = Loc(where[0], where[1], stack)
+        elif self.fallback is not None:
+            loc = Loc(self.fallback.file, self.fallback.line, stack)
         elif stack:
             loc = Loc("<unknown>", 0, stack)
         regions: list[Graph] = []
         attrs: list[tuple[str, Any]] = []
         name = eqn.primitive.name
         for k, v in jc.import_params(name, eqn.params):
-            attrs.append((k, self.attr(v, regions, name, k)))
+            attrs.append((k, self.attr(v, regions, name, k, loc)))
         axes = eqn.params.get("axes", eqn.params.get("axis_name"))
         axes_t = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
         if name in _ALL_REDUCE and REPLICA_AXIS in axes_t and \
@@ -135,15 +141,17 @@ class _Importer:
         ops.append(Op(name, operands, tuple(results), tuple(attrs), loc, tuple(regions),
                       impl=eqn.primitive, traced_varying=traced))
 
-    def attr(self, v: Any, regions: list[Graph], primitive: str, param: str) -> Any:
+    def attr(self, v: Any, regions: list[Graph], primitive: str, param: str,
+             loc: Loc | None = None) -> Any:
         if jc.is_jaxpr(v):
             closed = jc.is_closed_jaxpr_param(primitive, param, v)
-            regions.append(self.region(v, closed))
+            regions.append(self.region(v, closed, loc))
             return RegionRef(len(regions) - 1, closed=closed)
         if (isinstance(v, tuple) and any(jc.is_jaxpr(x) for x in v)
                 and all(x is None or jc.is_jaxpr(x) for x in v)):
             # cond's branches; custom_linear_solve's NamedTuple of jaxprs (type kept)
-            items = [None if x is None else self.attr(x, regions, primitive, param) for x in v]
+            items = [None if x is None else self.attr(x, regions, primitive, param, loc)
+                     for x in v]
             return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
         if jc.is_sharding(v):
             # Shardings inside a replica's program name the trace's abstract mesh; the

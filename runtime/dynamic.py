@@ -424,6 +424,8 @@ class DynamicPath:
             slots = [next(it) if lay is None else jax.tree.unflatten(lay[0], [next(it) for _ in lay[1]])
                      for lay in in_layout]
             out = rep.fn(*jax.tree.unflatten(treedef, slots))
+            from runtime.validate import check_results
+            check_results(out, getattr(rep, "__name__", "step"))
             out_leaves, out_td = jax.tree.flatten(out)
             out_info["treedef"] = out_td
             return out_leaves
@@ -434,6 +436,12 @@ class DynamicPath:
                                         logical_devices=rep.logical_devices)
         except jax.errors.InconclusiveDimensionOperation as e:
             raise _inconclusive(e, name, syms, bounds) from e
+        except TypeError as e:
+            # JAX code that needs a concrete size (jnp.convolve, np.zeros(x.shape[0]), a
+            # Python range over it) fails on a symbolic one inside JAX: say where, and why
+            if "_DimExpr" not in str(e) and "symbolic" not in str(e):
+                raise
+            raise _symbolic_size(e, name, syms) from e
         graph = _with_bounds(graph, bounds)
         res = (graph, t, None, specs, out_info["treedef"])
         with self.lock:
@@ -586,6 +594,18 @@ def _sliced(x: jax.Array, index: tuple, device: Any) -> jax.Array:
         return jax.device_put(part, x.sharding)
     except ValueError:
         return jax.device_put(part, device)
+
+
+def _symbolic_size(e: Exception, name: str, syms: tuple) -> TypeError:
+    """Code that needs a concrete size met a dynamic one while tracing: the user's line."""
+    from ir import _jax_compat as jc
+    where = jc.user_location_of_exception(e)
+    at = f" at {os.path.basename(where[0])}:{where[1]}" if where else ""
+    return TypeError(
+        f"dynamic shapes: tracing {name}{at} needs a concrete size where the dynamic dim(s) "
+        f"{', '.join(syms)} are symbolic ({str(e).strip().splitlines()[0]}); one trace serves "
+        f"every size, so that code cannot depend on the size's value: keep that axis static "
+        f"(RunOptions(dynamic_dims=...)) or avoid the operation on the padded axis")
 
 
 def _inconclusive(e: Exception, name: str, syms: tuple, bounds: dict) -> ValueError:

@@ -525,3 +525,45 @@ def test_cli_debug_shows_the_traceback(model_dir):
 
 def test_there_are_at_least_a_hundred_cases():
     assert len(CASES) + len(TRACE_CASES) + 2 + len(CLI) >= 100
+
+
+# -- dynamic shapes: what padding cannot make exact names the op and the user's line ----------
+def _dyn_flip(x):
+    return jnp.flip(x, axis=0)
+
+
+def _dyn_convolve(x):
+    return jnp.convolve(x, jnp.ones(3))
+
+
+def _dyn_split_odd_bucket(x):
+    return rt.split_to_logical_devices(x, [2, 1]) * 2
+
+
+def _dyn_concat(x):
+    return jnp.concatenate([x, x])
+
+
+DYN_TRACE = [
+    ("flip", _dyn_flip, 1, {}, ValueError,
+     r"padding: rev reverses padded axis 0 \(dim b\), which would move the padding to the front", "jnp.flip"),
+    ("convolve", _dyn_convolve, 1, {}, TypeError,
+     r"dynamic shapes: tracing _dyn_convolve at .* needs a concrete size where the dynamic dim\(s\) b are symbolic", "jnp.convolve"),
+    ("split-odd-bucket", _dyn_split_odd_bucket, 2, {"bucketing": [3, 5]}, ValueError,
+     r"splits padded axis 0 \(dim b\) 2 ways, but its bucket 5 is not divisible by 2", "[2, 1]"),
+    ("concatenate", _dyn_concat, 1, {}, ValueError,
+     r"concatenate has a value of type f32\[_2_times_b.* whose dim 2\*b mixes padded and real elements", "jnp.concatenate"),
+]
+
+
+@pytest.mark.parametrize("name, fn, k, opts, exc, pattern, marker", DYN_TRACE, ids=[c[0] for c in DYN_TRACE])
+def test_dynamic_shape_mistake_names_the_op_and_line(name, fn, k, opts, exc, pattern, marker):
+    step = rt.replicate(fn, num_replicas=2, logical_devices=k,
+                        options=rt.RunOptions(dynamic_shapes=True, **opts))
+    xs = [np.ones((3, 4), np.float32), np.ones((5, 4), np.float32)] if k > 1 else \
+        [np.arange(3, dtype=np.float32), np.arange(5, dtype=np.float32)]
+    with pytest.raises(exc) as e:
+        step(rt.PerReplica(xs))
+    msg = str(e.value)
+    assert re.search(pattern, msg), f"{msg!r} does not match {pattern!r}"
+    assert f"{HERE}:{_line(fn, marker)}" in msg, msg

@@ -226,6 +226,8 @@ class _Padder:
                 any_pad or any(_region_has_sym(g) for g in op.regions)):
             self.visit_regions(op, pads, operands, attrs)
             return
+        if op.name == "shard" and pads[0]:
+            self.check_split(op, pads[0])
         if any_pad and op.name in DENY:
             raise PaddingError(
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
@@ -348,6 +350,22 @@ class _Padder:
                         f"padding: {op.name} is not known to be exact over the padded axis "
                         f"{a} (dim {sym}) of its operand {v.type} ({_loc(op)})")
         return operands
+
+    def check_split(self, op: Op, pads: dict[int, str]) -> None:
+        """A split over logical devices of a padded axis: its bucket must divide by the
+        number of tiles (XLA cannot tile it otherwise)."""
+        s = op.attr("sharding")
+        tiles = getattr(s, "tile_dims", None)
+        if getattr(s, "kind", None) != "tiled" or not tiles:
+            return
+        for axis, sym in pads.items():
+            t = tiles[axis] if axis < len(tiles) else 1
+            if t > 1 and self.buckets[sym] % t:
+                raise PaddingError(
+                    f"padding: split_to_logical_devices splits padded axis {axis} (dim {sym}) "
+                    f"{t} ways, but its bucket {self.buckets[sym]} is not divisible by {t}; "
+                    f"choose buckets that are (bucketing='pow2', or a list of multiples of "
+                    f"{t}) ({_loc(op)})")
 
     def check_reshape(self, op: Op, pads: dict[int, str]) -> None:
         src, dst = op.operands[0].type.shape, op.result.type.shape
