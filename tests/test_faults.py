@@ -211,3 +211,25 @@ def test_launch_forwards_sigterm_to_its_workers(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, out
     assert "[p0] got SIGTERM" in out and "[p1] got SIGTERM" in out, out
     assert "received SIGTERM; forwarding it" in out
+
+
+def test_cache_dir_without_write_permission_runs_uncached(tmp_path, monkeypatch):
+    """No write permission (simulated: the suite may run as root, whom chmod does not
+    stop): the probe write fails with EACCES, so the step warns and runs uncached."""
+    import errno
+    import tempfile
+    from runtime import persistent
+    root = tmp_path / "readonly"
+    real = tempfile.mkstemp
+
+    def denied(*a, dir=None, **kw):
+        if dir is not None and str(root) in str(dir):
+            raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+        return real(*a, dir=dir, **kw)
+    monkeypatch.setattr(persistent.tempfile, "mkstemp", denied)
+    step = rt.replicate(_step, num_replicas=2, options=rt.RunOptions(cache_dir=str(root)))
+    w, x = np.ones(3, np.float32), np.ones((4, 3), np.float32)
+    with pytest.warns(RuntimeWarning, match=r"cannot be used \(Permission denied.*running without it"):
+        out = step(w, rt.distribute(x, 2))
+    np.testing.assert_allclose(out.values[0], w - 0.1)
+    assert step.cache_info().disk_writes == 0
