@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -63,8 +64,9 @@ def _pullback(cts: list, out_axes: list, in_axes: list, run: Callable) -> list:
     When every seed is identical on all replicas (the common case of an all-reduced or
     mirrored-only loss), the factor N of the seeds is moved onto the results (the map is
     linear), so a ``"mean"`` gradient of an identical loss is JAX's own, with no op."""
+    axis = CURRENT_AXIS.get()
     live = [i for i, c in enumerate(cts) if c is not None and _is_float(c)]
-    identical = [i for i in live if REPLICA_AXIS not in out_axes[i]]
+    identical = [i for i in live if axis not in out_axes[i]]
     fold = len(identical) == len(live)
     seeds: list = [None] * len(cts)
     if identical and not fold:
@@ -74,7 +76,7 @@ def _pullback(cts: list, out_axes: list, in_axes: list, run: Callable) -> list:
     replicas = int(bool(identical) and fold)
     out = []
     for g, axes in zip(grads, in_axes):
-        reduction = int(REPLICA_AXIS not in axes)
+        reduction = int(axis not in axes)
         if g is not None and _is_float(g) and (replicas or reduction):
             g = LOSS_SCALE.bind(g, replicas=replicas, reduction=reduction)
         out.append(g)
@@ -84,6 +86,15 @@ def _pullback(cts: list, out_axes: list, in_axes: list, run: Callable) -> list:
 #: the number of logical devices per replica (read by the sharding annotations)
 CURRENT_LOGICAL_DEVICES: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "logical_devices", default=None)
+#: the name the step's code uses for the replica axis while it is traced (``axis_name=``
+#: of ``replicate``, e.g. ``'batch'`` for code written for ``jax.pmap``); the IR always
+#: calls it ``REPLICA_AXIS``
+CURRENT_AXIS: contextvars.ContextVar[str] = contextvars.ContextVar("axis", default=REPLICA_AXIS)
+
+
+def current_axis() -> str:
+    """The replica axis's name in the step being traced (see ``CURRENT_AXIS``)."""
+    return CURRENT_AXIS.get()
 
 
 @dataclass(frozen=True)
@@ -98,13 +109,16 @@ class LeafSpec:
 
 
 @contextlib.contextmanager
-def replica_context(num_replicas: int, logical_devices: int = 1):
-    """While tracing a step: the replica count and logical devices per replica."""
+def replica_context(num_replicas: int, logical_devices: int = 1, axis_name: str = REPLICA_AXIS):
+    """While tracing a step: the replica count, logical devices per replica and the
+    replica axis's name."""
     token = CURRENT_NUM_REPLICAS.set(num_replicas)
     token_k = CURRENT_LOGICAL_DEVICES.set(logical_devices)
+    token_a = CURRENT_AXIS.set(axis_name)
     try:
         yield
     finally:
+        CURRENT_AXIS.reset(token_a)
         CURRENT_LOGICAL_DEVICES.reset(token_k)
         CURRENT_NUM_REPLICAS.reset(token)
 
@@ -112,29 +126,54 @@ def replica_context(num_replicas: int, logical_devices: int = 1):
 def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[LeafSpec],
                      num_replicas: int, name: str = "step",
                      logical_devices: int = 1,
-                     split: dict[str, float] | None = None) -> tuple[Graph, float]:
+                     split: dict[str, float] | None = None,
+                     axis_name: str = REPLICA_AXIS) -> tuple[Graph, float]:
     """Trace ``flat_fn`` (flat leaves in, flat leaves out) for one replica of
     ``num_replicas``; return the imported graph and the seconds it took. ``split``, when
     given, receives the seconds of JAX's trace (``"trace"``) and of the jaxpr's import into
-    the IR (``"import"``)."""
+    the IR (``"import"``). ``axis_name``: what the step's code calls the replica axis
+    (``lax.pmean(g, 'batch')``); the IR names it ``REPLICA_AXIS``. A collective over
+    another, unknown name is a ``NameError`` naming it and the user's line."""
     t0 = time.perf_counter()
-    mesh = AbstractMesh((num_replicas,), (REPLICA_AXIS,))
+    mesh = AbstractMesh((num_replicas,), (axis_name,))
     captured: dict[str, Any] = {}
 
     def outer():
-        avals = [jc.replica_sds(s.shape, s.dtype, {REPLICA_AXIS} if s.varying else set(), s.weak_type)
+        avals = [jc.replica_sds(s.shape, s.dtype, {axis_name} if s.varying else set(), s.weak_type)
                  for s in specs]
         captured["jaxpr"] = jax.make_jaxpr(flat_fn)(*avals)
         return ()
 
     jc.install_vjp_hook(_pullback)
     jc.install_custom_vjp_sum()
-    with replica_context(num_replicas, logical_devices), jc.varying_loop_carries(), \
-            jc.grad_mode("replica"):
-        jax.make_jaxpr(jax.shard_map(outer, mesh=mesh, in_specs=(), out_specs=(), check_vma=True))()
+
+    def trace():
+        with replica_context(num_replicas, logical_devices, axis_name), \
+                jc.varying_loop_carries(), jc.grad_mode("replica"):
+            jax.make_jaxpr(jax.shard_map(outer, mesh=mesh, in_specs=(), out_specs=(),
+                                         check_vma=True))()
+    try:
+        trace()
+    except (NameError, AssertionError, KeyError) as e:
+        # JAX reports an axis name it does not know as a bare AssertionError, its frames
+        # filtered away: trace again with JAX's frames kept to find the name it looked up
+        where = jc.user_location_of_exception(e)
+        unknown = jc.unbound_axis_name(e)
+        if unknown is None:
+            try:
+                with jc.traceback_filtering("off"):
+                    trace()
+            except (NameError, AssertionError, KeyError) as again:
+                unknown = jc.unbound_axis_name(again)
+        if unknown is None or unknown == axis_name:
+            raise
+        at = f" ({os.path.basename(where[0])}:{where[1]})" if where else ""
+        raise NameError(f"a collective over the axis {unknown!r}{at}: this step's replica axis "
+                        f"is named {axis_name!r}; name it so in the code, or replicate the "
+                        f"step with axis_name={unknown!r}") from None
     reps = [Replica.VARYING if s.varying else Replica.MIRRORED for s in specs]
     t1 = time.perf_counter()
-    graph = import_jaxpr(captured["jaxpr"], name, reps)
+    graph = import_jaxpr(captured["jaxpr"], name, reps, axis_name=axis_name)
     t2 = time.perf_counter()
     if split is not None:
         split.update(trace=t1 - t0, **{"import": t2 - t1})

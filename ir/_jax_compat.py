@@ -125,6 +125,36 @@ def user_location(eqn: Any) -> tuple[str, int] | None:
     return frame.file_name, frame.start_line
 
 
+def traceback_filtering(mode: str):
+    """Context manager: JAX's traceback filtering (``"off"`` keeps JAX's own frames)."""
+    from jax._src import config as _config
+    return _config.traceback_filtering(mode)
+
+
+def unbound_axis_name(exc: BaseException) -> str | None:
+    """The axis name a failed collective asked for, when ``exc`` comes from JAX looking up
+    an axis the trace does not have (0.10/0.11 raise a bare ``AssertionError`` from
+    ``core.pvary``, or ``NameError: unbound axis name: ...``); else ``None``."""
+    import re
+    m = re.search(r"unbound axis name:?\s*'?([\w.-]+)", str(exc))
+    if m:
+        return m.group(1)
+    tb, frames = exc.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for f in reversed(frames[-6:]):  # JAX's innermost frames
+        if "jax" not in f.f_code.co_filename:
+            break
+        for key in ("axis_name", "axes", "name"):
+            v = f.f_locals.get(key)
+            if isinstance(v, str):
+                return v
+            if isinstance(v, (tuple, list)) and v and isinstance(v[0], str):
+                return v[0]
+    return None
+
+
 def user_location_of_exception(exc: BaseException) -> tuple[str, int] | None:
     """(file, line) of the innermost user frame (not JAX's, not this project's) in the
     traceback of ``exc``: where the user's code was when it raised during a trace."""

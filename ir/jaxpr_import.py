@@ -57,8 +57,10 @@ def type_of_aval(aval: Any, replica: Replica | None = None) -> TensorType:
 
 
 class _Importer:
-    def __init__(self, fallback: Loc | None = None) -> None:
+    def __init__(self, fallback: Loc | None = None, axis: str = REPLICA_AXIS) -> None:
         self.env: dict[Any, Value] = {}
+        #: the replica axis's name in the traced program (renamed ``REPLICA_AXIS`` here)
+        self.axis = axis
         #: the location of the op whose region this is: the user's line for the ops of
         #: a library call (``jnp.flip`` is a jitted function) that have none of their own
         self.fallback = fallback
@@ -102,8 +104,8 @@ class _Importer:
         jaxpr, consts = jc.jaxpr_parts(param)
         if not closed and (consts or jaxpr.constvars):
             raise ImportError_("open jaxpr parameters with constvars are not supported")
-        return _Importer(loc if loc is not None and loc.line else self.fallback).graph(
-            jaxpr, consts, "region")
+        return _Importer(loc if loc is not None and loc.line else self.fallback,
+                         self.axis).graph(jaxpr, consts, "region")
 
     def eqn(self, eqn: Any, ops: list[Op]) -> None:
         operands = tuple(self.read(a, ops) for a in eqn.invars)
@@ -126,20 +128,31 @@ class _Importer:
         attrs: list[tuple[str, Any]] = []
         name = eqn.primitive.name
         for k, v in jc.import_params(name, eqn.params):
+            if k in ("axes", "axis_name") and self.axis != REPLICA_AXIS:
+                v = self.rename(v)
             attrs.append((k, self.attr(v, regions, name, k, loc)))
         axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-        axes_t = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+        axes_t = self.rename(tuple(axes) if isinstance(axes, (tuple, list)) else (axes,))
         if name in _ALL_REDUCE and REPLICA_AXIS in axes_t and \
                 eqn.params.get("axis_index_groups") is None:
             attrs = [("reduce", _ALL_REDUCE[name]), ("axes", axes_t)]
             name = "all_reduce"
         elif name in ("pvary", "pcast") and REPLICA_AXIS in axes_t:
             name = "cast_varying"
-        elif name == "axis_index" and eqn.params.get("axis_name") == REPLICA_AXIS:
+        elif name == "axis_index" and self.rename(eqn.params.get("axis_name")) == REPLICA_AXIS:
             name, attrs = "replica_id", []
-        traced = tuple(REPLICA_AXIS in jc.varying_axes(var.aval) for var in eqn.outvars)
+        traced = tuple(self.axis in jc.varying_axes(var.aval) for var in eqn.outvars)
         ops.append(Op(name, operands, tuple(results), tuple(attrs), loc, tuple(regions),
                       impl=eqn.primitive, traced_varying=traced))
+
+    def rename(self, v: Any) -> Any:
+        """``v`` (an axis name, or a tuple of them) with the traced replica axis's name
+        replaced by ``REPLICA_AXIS``."""
+        if v == self.axis:
+            return REPLICA_AXIS
+        if isinstance(v, tuple):
+            return tuple(REPLICA_AXIS if x == self.axis else x for x in v)
+        return v
 
     def attr(self, v: Any, regions: list[Graph], primitive: str, param: str,
              loc: Loc | None = None) -> Any:
@@ -161,7 +174,9 @@ class _Importer:
 
 
 def import_jaxpr(closed: Any, name: str = "main",
-                 input_replica: list[Replica | None] | None = None) -> Graph:
-    """Import a ``ClosedJaxpr`` (or open ``Jaxpr`` without constvars) as a :class:`Graph`."""
+                 input_replica: list[Replica | None] | None = None,
+                 axis_name: str = REPLICA_AXIS) -> Graph:
+    """Import a ``ClosedJaxpr`` (or open ``Jaxpr`` without constvars) as a :class:`Graph`;
+    the replica axis, traced as ``axis_name``, is ``REPLICA_AXIS`` in the IR."""
     jaxpr, consts = jc.jaxpr_parts(closed)
-    return _Importer().graph(jaxpr, consts, name, input_replica)
+    return _Importer(axis=axis_name).graph(jaxpr, consts, name, input_replica)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from runtime.annotations import (assign_to_logical_device, replicate_to_logical_devices,
                                  split_to_logical_devices)
 from runtime.cache import CacheInfo
-from runtime.collectives import all_gather, all_reduce, all_to_all, local, num_replicas, replica_id
+from runtime.collectives import (all_gather, all_reduce, all_to_all, local, num_replicas,
+                                 ppermute, psum_scatter, replica_id)
 from runtime.per_replica import PerReplica, distribute, reduce
 from runtime.replicate import Replicated, RunOptions, replicate
 from runtime.stages import Compiled, Lowered
@@ -22,6 +23,7 @@ from runtime.dynamic import distribute_uneven
 __all__ = [
     "replicate", "Replicated", "RunOptions", "PerReplica", "distribute", "reduce",
     "replica_id", "num_replicas", "local", "all_reduce", "all_gather", "all_to_all",
+    "psum_scatter", "ppermute",
     "assign_to_logical_device", "split_to_logical_devices", "replicate_to_logical_devices",
     "Lowered", "Compiled", "CacheInfo",
     "distribute_iterator", "DistributedIterator", "distribute_values_from_function",

@@ -7,9 +7,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from compiler.trace import CURRENT_NUM_REPLICAS
+from compiler.trace import CURRENT_NUM_REPLICAS, current_axis
 from ir import _jax_compat as jc
-from ir.jaxpr_import import REPLICA_AXIS
 from runtime.validate import user_line
 
 _OPS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
@@ -25,7 +24,7 @@ def _require_step(fn: str) -> int:
 def replica_id() -> Any:
     """The id of the replica running this code, an int32 scalar in ``[0, num_replicas)``."""
     _require_step("replica_id")
-    return lax.axis_index(REPLICA_AXIS)
+    return lax.axis_index(current_axis())
 
 
 def num_replicas() -> int:
@@ -39,46 +38,131 @@ def _extremum(reduce: Any) -> Any:
     (as ``jnp.max``'s derivative shares it among equal elements)."""
     @jax.custom_jvp
     def f(x):
-        return reduce(x, REPLICA_AXIS)
+        return reduce(x, current_axis())
 
     @f.defjvp
     def f_jvp(primals, tangents):
         (x,), (t,) = primals, tangents
-        y = reduce(x, REPLICA_AXIS)
+        y = reduce(x, current_axis())
         hit = x == y
-        ties = lax.psum(hit.astype(t.dtype), REPLICA_AXIS)
-        return y, lax.psum(jax.numpy.where(hit, t, jax.numpy.zeros_like(t)), REPLICA_AXIS) / ties
+        ties = lax.psum(hit.astype(t.dtype), current_axis())
+        return y, lax.psum(jax.numpy.where(hit, t, jax.numpy.zeros_like(t)), current_axis()) / ties
     return f
 
 
 _OPS["max"], _OPS["min"] = _extremum(lax.pmax), _extremum(lax.pmin)
 
 
-def all_reduce(x: Any, op: str = "sum") -> Any:
+def _check_groups(groups: Any, n: int) -> list[list[int]]:
+    """``axis_index_groups``: a partition of the replica ids into groups of equal size."""
+    try:
+        gs = [[int(r) for r in g] for g in groups]
+    except TypeError:
+        raise TypeError(f"axis_index_groups must be a list of lists of replica ids, got "
+                        f"{groups!r} ({user_line(__file__)})") from None
+    seen = sorted(r for g in gs for r in g)
+    if seen != list(range(n)) or len({len(g) for g in gs}) != 1:
+        raise ValueError(f"axis_index_groups {gs} must split the {n} replica ids 0..{n - 1} "
+                         f"into groups of equal size, each id once ({user_line(__file__)})")
+    return gs
+
+
+def _grouped(x: Any, op: str, groups: list[list[int]], n: int) -> Any:
+    """``op`` within each replica's group: every replica's value is gathered, and the
+    members of this replica's group are reduced (exact; one all-gather)."""
+    member = np.zeros((n, n), bool)
+    for g in groups:
+        for r in g:
+            member[r, g] = True
+    size = len(groups[0])
+
+    def one(a):
+        everyone = lax.all_gather(a, current_axis(), axis=0, tiled=False)   # [n, ...]
+        mask = jax.numpy.asarray(member)[lax.axis_index(current_axis())]
+        mask = mask.reshape((n,) + (1,) * (everyone.ndim - 1))
+        if op in ("sum", "mean"):
+            out = jax.numpy.sum(jax.numpy.where(mask, everyone, 0), axis=0)
+            return out / size if op == "mean" else out
+        fill = -jax.numpy.inf if op == "max" else jax.numpy.inf
+        if not jax.numpy.issubdtype(everyone.dtype, jax.numpy.inexact):
+            info = jax.numpy.iinfo(everyone.dtype)
+            fill = info.min if op == "max" else info.max
+        red = jax.numpy.max if op == "max" else jax.numpy.min
+        return red(jax.numpy.where(mask, everyone, fill), axis=0)
+    return jax.tree.map(one, x)
+
+
+def all_reduce(x: Any, op: str = "sum", axis_index_groups: Any = None) -> Any:
     """Reduce ``x`` (a pytree) across replicas with ``op`` in sum | mean | max | min.
     Every op is differentiable (the derivative of ``max``/``min`` goes to the replica
-    holding the extremum, split equally among ties)."""
-    _require_step("all_reduce")
+    holding the extremum, split equally among ties). ``axis_index_groups`` (as in
+    ``lax.psum``): reduce within each group of replica ids only, e.g. ``[[0, 1], [2, 3]]``."""
+    n = _require_step("all_reduce")
     if op not in _OPS:
         raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r} "
                          f"({user_line(__file__)})")
+    if axis_index_groups is not None:
+        return _grouped(x, op, _check_groups(axis_index_groups, n), n)
     if op in ("max", "min"):
         return jax.tree.map(lambda a: _OPS[op](a) if jax.numpy.issubdtype(
             jax.numpy.result_type(a), jax.numpy.inexact) else
-            (lax.pmax if op == "max" else lax.pmin)(a, REPLICA_AXIS), x)
-    return _OPS[op](x, REPLICA_AXIS)
+            (lax.pmax if op == "max" else lax.pmin)(a, current_axis()), x)
+    return _OPS[op](x, current_axis())
 
 
-def all_gather(x: Any, axis: int = 0) -> Any:
-    """Concatenate every replica's ``x`` along ``axis`` (the result is the same everywhere)."""
+def all_gather(x: Any, axis: int = 0, tiled: bool = True) -> Any:
+    """Every replica's ``x``, the same on every replica: concatenated along ``axis``
+    (``tiled=True``), or stacked on a new axis ``axis`` (``tiled=False``, as
+    ``lax.all_gather``'s default)."""
     _require_step("all_gather")
     for leaf in jax.tree.leaves(x):
-        rank = len(np.shape(leaf))
-        if not -rank <= axis < rank:
+        rank = len(np.shape(leaf)) + (0 if tiled else 1)
+        if not -rank <= axis < rank or (tiled and rank == 0):
             raise ValueError(f"all_gather: axis {axis} is out of range for a value of shape "
-                             f"{tuple(np.shape(leaf))} (rank {rank}); to gather scalars, "
-                             f"reshape them to shape (1,) first ({user_line(__file__)})")
-    return lax.all_gather(x, REPLICA_AXIS, axis=axis, tiled=True)
+                             f"{tuple(np.shape(leaf))} (rank {len(np.shape(leaf))}); "
+                             + ("to gather scalars, use tiled=False or reshape them to (1,) "
+                                if tiled else "") + f"({user_line(__file__)})")
+    return lax.all_gather(x, current_axis(), axis=axis, tiled=tiled)
+
+
+def psum_scatter(x: Any, scatter_dimension: int = 0, tiled: bool = True) -> Any:
+    """Reduce-scatter (the building block of ZeRO/FSDP-style sharded optimizer state):
+    the sum over replicas of ``x``, of which replica r keeps the r-th of N equal chunks
+    along ``scatter_dimension`` (``tiled=False``: that dimension must be N long and is
+    removed), as ``lax.psum_scatter``."""
+    n = _require_step("psum_scatter")
+    for leaf in jax.tree.leaves(x):
+        shape = np.shape(leaf)
+        if not -len(shape) <= scatter_dimension < len(shape):
+            raise ValueError(f"psum_scatter: scatter_dimension {scatter_dimension} is out of "
+                             f"range for a value of shape {tuple(shape)} ({user_line(__file__)})")
+        size = shape[scatter_dimension]
+        if (size % n) if tiled else (size != n):
+            raise ValueError(f"psum_scatter: dimension {scatter_dimension} of a value of shape "
+                             f"{tuple(shape)} has size {size}, "
+                             + (f"not divisible by {n} replicas" if tiled else
+                                f"not {n} (tiled=False scatters one slice per replica)")
+                             + f" ({user_line(__file__)})")
+    return jax.tree.map(lambda a: lax.psum_scatter(
+        a, current_axis(), scatter_dimension=scatter_dimension % np.ndim(a), tiled=tiled), x)
+
+
+def ppermute(x: Any, perm: Any) -> Any:
+    """Send ``x`` from replica ``i`` to replica ``j`` for each ``(i, j)`` in ``perm``
+    (ring and pipeline exchanges); a replica no pair sends to receives zeros, as
+    ``lax.ppermute``."""
+    n = _require_step("ppermute")
+    try:
+        pairs = [(int(i), int(j)) for i, j in perm]
+    except (TypeError, ValueError):
+        raise TypeError(f"ppermute: perm must be a list of (source, destination) replica id "
+                        f"pairs, got {perm!r} ({user_line(__file__)})") from None
+    srcs, dsts = [i for i, _ in pairs], [j for _, j in pairs]
+    bad = [r for r in srcs + dsts if not 0 <= r < n]
+    if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"ppermute: perm {pairs} must use replica ids in [0, {n}) with no "
+                         f"source and no destination twice ({user_line(__file__)})")
+    return lax.ppermute(x, current_axis(), pairs)
 
 
 def all_to_all(x: Any, split_axis: int, concat_axis: int) -> Any:
@@ -95,7 +179,7 @@ def all_to_all(x: Any, split_axis: int, concat_axis: int) -> Any:
     if x.shape[split_axis] % n:
         raise ValueError(f"all_to_all: split_axis {split_axis} has size {x.shape[split_axis]}, "
                          f"not divisible by {n} replicas ({user_line(__file__)})")
-    return lax.all_to_all(x, REPLICA_AXIS, split_axis, concat_axis, tiled=True)
+    return lax.all_to_all(x, current_axis(), split_axis, concat_axis, tiled=True)
 
 
 def local(tree: Any) -> Any:
@@ -116,4 +200,4 @@ def local(tree: Any) -> Any:
         if not hasattr(x, "dtype") and not isinstance(x, (bool, int, float, complex)):
             raise TypeError(f"local: leaves must be arrays or numbers, got {type(x).__name__} "
                             f"({user_line(__file__)})")
-    return jax.tree.map(lambda x: jc.to_varying(jax.numpy.asarray(x), REPLICA_AXIS), tree)
+    return jax.tree.map(lambda x: jc.to_varying(jax.numpy.asarray(x), current_axis()), tree)

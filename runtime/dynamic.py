@@ -313,19 +313,19 @@ class DynamicPath:
             buckets[s] = b
         return leaves, treedef, per_leaf, syms, sizes, buckets, bounds
 
-    def call(self, args: tuple) -> Any:
+    def call(self, args: tuple, statics: tuple = ()) -> Any:
         """Run the step: a call whose exact input signature was seen before goes straight
         to its program (no re-validation, re-bucketing or key building); a new one is
         planned, validated and bucketed first (:meth:`prepare`)."""
         leaves, treedef = _tree_flatten(args, _is_pr)
         try:
-            sig = (treedef, tuple(leaf_sig(x) if type(x) is not PerReplica else
-                                  tuple(_value_sig(v) for v in x.values) for x in leaves))
+            sig = (treedef, statics, tuple(leaf_sig(x) if type(x) is not PerReplica else
+                                           tuple(_value_sig(v) for v in x.values) for x in leaves))
             ready = self.ready.get(sig)
         except TypeError:  # an unhashable leaf: plan every call
             sig = ready = None
         if ready is None:
-            ready = self.prepare(args)
+            ready = self.prepare(args, statics)
             if sig is not None:
                 if len(self.ready) >= READY_MEMO_SIZE:
                     self.ready.pop(next(iter(self.ready)), None)
@@ -337,7 +337,7 @@ class DynamicPath:
                      [dict(s) for s in ready.sizes], ready.buckets)
         return self.run(ready, leaves)
 
-    def prepare(self, args: tuple) -> _Ready:
+    def prepare(self, args: tuple, statics: tuple = ()) -> _Ready:
         """Plan a call with a new input signature: validate it, choose the buckets, and
         fetch (or build and compile) the program of those buckets."""
         leaves, treedef, per_leaf, syms, sizes, buckets, bounds = self.plan(args)
@@ -356,12 +356,13 @@ class DynamicPath:
                 sig.append((shape, a0.dtype, False, tuple(sorted(axes.items()))))
             pads.append((td, tuple(leaf_pads)))
             key_sigs.append(("per_replica", td, tuple(sig)))
-        key = ("dynamic", treedef, tuple(key_sigs), tuple(sorted(bounds.items())))
+        key = ("dynamic", treedef, tuple(key_sigs), tuple(sorted(bounds.items())), statics)
         cache = self.rep._cache
         prog = cache.get(key)
         if prog is None:
             prog = cache.get_or_build(key, lambda: self.build(leaves, treedef, per_leaf, syms,
-                                                              buckets, bounds, key).compile())
+                                                              buckets, bounds, key,
+                                                              statics).compile())
             self._maybe_warn()
         # the real sizes, one (N,) int32 vector per symbol: the program's first inputs,
         # constant for this signature, so placed on the devices once (not sent every call)
@@ -370,10 +371,11 @@ class DynamicPath:
                                            shardings[i]) for i, k in enumerate(syms))
         return _Ready(prog, tuple(sizes), size_inputs, tuple(pads), buckets)
 
-    def lower(self, args: tuple) -> Any:
+    def lower(self, args: tuple, statics: tuple = ()) -> Any:
         """The program (not compiled) for these arguments' buckets."""
         leaves, treedef, per_leaf, syms, sizes, buckets, bounds = self.plan(args)
-        return self.build(leaves, treedef, per_leaf, syms, buckets, bounds, ("dynamic-lower",))
+        return self.build(leaves, treedef, per_leaf, syms, buckets, bounds, ("dynamic-lower",),
+                          statics)
 
     def _maybe_warn(self) -> None:
         limit = getattr(self.options, "max_compiles_warning", None)
@@ -386,10 +388,10 @@ class DynamicPath:
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     # -- building --------------------------------------------------------------------------
-    def trace(self, leaves, treedef, per_leaf, syms, bounds) -> tuple:
+    def trace(self, leaves, treedef, per_leaf, syms, bounds, statics: tuple = ()) -> tuple:
         """One trace per symbolic signature: (graph, in_layout, specs, out treedef)."""
         rep = self.rep
-        skey = (treedef, tuple(sorted(bounds.items())), tuple(
+        skey = (treedef, statics, tuple(sorted(bounds.items())), tuple(
             ("m", leaf_sig(x)) if info is None else
             ("p", info[0], tuple((tuple(axes.get(k, d) for k, d in enumerate(a[0].shape)),
                                   a[0].dtype) for a, axes in info[1]))
@@ -423,17 +425,20 @@ class DynamicPath:
             it = iter(flat[k:])
             slots = [next(it) if lay is None else jax.tree.unflatten(lay[0], [next(it) for _ in lay[1]])
                      for lay in in_layout]
-            out = rep.fn(*jax.tree.unflatten(treedef, slots))
-            from runtime.validate import check_results
+            out = fn(*jax.tree.unflatten(treedef, slots))
+            from runtime.validate import check_results, keep_container_types
+            out = keep_container_types(out)
             check_results(out, getattr(rep, "__name__", "step"))
             out_leaves, out_td = jax.tree.flatten(out)
             out_info["treedef"] = out_td
             return out_leaves
 
-        name = getattr(rep.fn, "__name__", "step")
+        name = rep.__name__
+        fn = rep._callable(statics)
         try:
             graph, t = trace_replica_fn(flat_fn, specs, rep.num_replicas, name,
-                                        logical_devices=rep.logical_devices)
+                                        logical_devices=rep.logical_devices,
+                                        axis_name=rep.axis_name)
         except jax.errors.InconclusiveDimensionOperation as e:
             raise _inconclusive(e, name, syms, bounds) from e
         except TypeError as e:
@@ -448,9 +453,11 @@ class DynamicPath:
             self.traces[skey] = res
         return res
 
-    def build(self, leaves, treedef, per_leaf, syms, buckets, bounds, key) -> Any:
+    def build(self, leaves, treedef, per_leaf, syms, buckets, bounds, key,
+              statics: tuple = ()) -> Any:
         rep = self.rep
-        graph, t_import, _, specs, out_td = self.trace(leaves, treedef, per_leaf, syms, bounds)
+        graph, t_import, _, specs, out_td = self.trace(leaves, treedef, per_leaf, syms, bounds,
+                                                       statics)
         size_td = jax.tree.structure(tuple(range(len(syms))))
         in_layout = [(size_td, (0,) * len(syms))] + [
             None if info is None else (info[0], tuple(a[0].ndim for a, _ in info[1]))

@@ -238,7 +238,8 @@ def _signature_text(key: tuple) -> str:
             return f"PerReplica[{sig[1]}]({', '.join(leaf(s) for s in sig[2])})"
         shape, dtype, weak = sig[:3]
         return f"{getattr(dtype, 'name', dtype)}{list(shape)}{'~' if weak else ''}"
-    return f"{key[0]} :: " + ", ".join(leaf(s) for s in key[1])
+    text = f"{key[0]} :: " + ", ".join(leaf(s) for s in key[1])
+    return text + (f" :: statics {key[2]!r}" if len(key) > 2 else "")
 
 
 def digest(entries: dict[str, str]) -> str:

@@ -332,6 +332,7 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
             specs.append(LeafSpec(tuple(sig[0]), sig[1], sig[2], False))
     out_info: dict[str, Any] = {}
     k_steps = rep.steps_per_call
+    fn = rep._callable(key[2]) if len(key) > 2 else rep.fn
     # the state (argument 0) is carried across steps and, with donate=True, donated
     n_state = treedef.children()[0].num_leaves if treedef.children() else 0
     if k_steps > 1:
@@ -353,12 +354,13 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
         it = iter(flat)
         slots = [next(it) if lay is None else [next(it) for _ in lay[1]] for lay in in_layout]
         if k_steps == 1:
-            out = rep.fn(*build_args(slots))
+            out = fn(*build_args(slots))
         else:
             mask = [False if lay is None else [True] * len(lay[1]) for lay in in_layout]
-            out = scan_steps(rep.fn, build_args(slots), build_args(mask), k_steps,
+            out = scan_steps(fn, build_args(slots), build_args(mask), k_steps,
                              rep.step_outputs)
-        from runtime.validate import check_results
+        from runtime.validate import check_results, keep_container_types
+        out = keep_container_types(out)
         check_results(out, getattr(rep, "__name__", "step"))
         out_leaves, out_td = jax.tree.flatten(out)
         out_info["treedef"] = out_td
@@ -366,7 +368,8 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
 
     split: dict[str, float] = {}
     graph, t_import = trace_replica_fn(flat_fn, specs, n, getattr(rep, "__name__", "step"),
-                                       logical_devices=rep.logical_devices, split=split)
+                                       logical_devices=rep.logical_devices, split=split,
+                                       axis_name=rep.axis_name)
     passes = parse_pipeline(rep.options.pipeline, num_replicas=n,
                             loss_reduction=rep.loss_reduction,
                             num_logical_devices=rep.logical_devices,
@@ -379,7 +382,7 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
     # all mirrored, one process, nothing donated: the executable takes the caller's own
     # argument structure (its C++ dispatch then flattens and checks them)
     entry = (all(lay is None for lay in in_layout) and not any(out_varying) and not donated
-             and rep.layout.process_count == 1)
+             and rep.layout.process_count == 1 and _reflattens(out_info["treedef"]))
     jitted = build_jitted(final, rep.mesh, [s.varying for s in specs],
                           [len(s.shape) for s in specs], out_varying, out_ranks,
                           donate_argnums=tuple(p for _, p in donated),
@@ -404,6 +407,15 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
     prog.key = key
     prog.donated = tuple(i for i, _ in donated)
     return prog
+
+
+def _reflattens(treedef: Any) -> bool:
+    """Does a value of this structure flatten back to it? Not when it holds a container
+    rebuilt as a type JAX takes for a leaf (a ``dict`` subclass: runtime.validate)."""
+    try:
+        return jax.tree.structure(treedef.unflatten([0] * treedef.num_leaves)) == treedef
+    except Exception:  # noqa: BLE001
+        return False
 
 
 # -- several steps per call, donation, several processes ----------------------------

@@ -90,9 +90,13 @@ class Replicated:
     def __init__(self, fn: Callable, num_replicas: int | None = None, logical_devices: int = 1,
                  devices: Any = None, loss_reduction: str = "mean",
                  options: RunOptions | None = None, steps_per_call: int = 1,
-                 donate: bool = False, step_outputs: str = "stack"):
+                 donate: bool = False, step_outputs: str = "stack", axis_name: str | None = None,
+                 static_argnums: Any = (), static_argnames: Any = ()):
         _validate.replicate_args(fn, num_replicas, logical_devices, devices, loss_reduction,
                                  options, steps_per_call, donate, step_outputs, RunOptions)
+        self.axis_name = _validate.axis_name(axis_name)
+        self._static_argnums, self._static_argnames = _validate.static_args(
+            static_argnums, static_argnames)
         if step_outputs not in STEP_OUTPUTS:
             raise ValueError(f"replicate: step_outputs must be one of {STEP_OUTPUTS}, "
                              f"got {step_outputs!r}")
@@ -116,7 +120,7 @@ class Replicated:
         self.options = options or RunOptions()
         self.mesh = build_mesh(num_replicas, logical_devices, devices)
         self._cache = ExecutableCache()
-        self._fast: dict[Any, Program] = {}  # treedef -> last mirrored-only program
+        self._fast: dict[Any, Program] = {}  # (treedef, statics) -> its last program
         self.layout = _prog.Layout(self.mesh, num_replicas, logical_devices)
         self.steps_per_call = steps_per_call
         self.donate = bool(donate)
@@ -134,18 +138,24 @@ class Replicated:
         self._hit = None
         self._hits = itertools.count()
         functools.update_wrapper(self, fn)
+        if not isinstance(getattr(self, "__name__", None), str):
+            # partials, bound methods of objects without __name__, callable objects
+            self.__name__ = _callable_name(fn)
+        self._statics_or_kwargs = bool(self._static_argnums or self._static_argnames)
         if self.options.dynamic_shapes:
             from runtime.dynamic import DynamicPath
             self._dynamic = DynamicPath(self)
 
     # -- the hot path -------------------------------------------------------------------
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The last all-mirrored program's C++ dispatch (``None`` until there is one): it
         # flattens the arguments and looks their signature up in its own cache, and a miss
         # there runs Program's check of the full key (weak types included, and no
         # PerReplica) before anything runs, so a hit costs what a jax.jit hit costs.
         # Anything else (another signature, a PerReplica, a placement to fix, no such
         # program yet) raises before running and takes the general path.
+        if kwargs or self._statics_or_kwargs:
+            return self._call(*self._split_call(args, kwargs))
         try:
             out = self._hit(*args)
         except (TypeError, ValueError):
@@ -153,12 +163,70 @@ class Replicated:
         next(self._hits)
         return out
 
-    def _call(self, args: tuple) -> Any:
+    # -- static arguments and keyword arguments ------------------------------------------
+    def _split_call(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+        """The dynamic arguments (the keyword ones as a dict after the positional ones) and
+        the statics: the key entries that say how to call ``fn`` (see ``_callable``)."""
+        dyn = list(args)
+        statics: list[tuple] = []
+        names = self._param_names()
+        kw = dict(kwargs)
+        argnums = set(self._static_argnums)
+        for name in self._static_argnames:  # a static name passed by position
+            if name in names and names.index(name) < len(args):
+                argnums.add(names.index(name))
+        for i in sorted(argnums, reverse=True):
+            if i >= len(args):
+                if i < len(names) and names[i] in kw:
+                    continue  # passed by keyword: handled below
+                raise TypeError(f"{self.__name__}: static argument {i} is not given (the step was "
+                                f"called with {len(args)} positional arguments)")
+            statics.append(("pos", i, _validate.hashable_static(args[i], f"argument {i}")))
+            del dyn[i]
+        static_names = set(self._static_argnames) | {names[i] for i in argnums if i < len(names)}
+        for name in sorted(static_names & set(kw)):
+            statics.append(("kw", name, _validate.hashable_static(kw.pop(name), f"argument {name!r}")))
+        if kw:
+            statics.append(("kwargs", tuple(sorted(kw))))
+            dyn.append({k: kw[k] for k in sorted(kw)})
+        statics.sort(key=lambda t: (t[0], t[1]))
+        return tuple(dyn), tuple(statics)
+
+    def _param_names(self) -> list[str]:
+        names = getattr(self, "_names_cache", None)
+        if names is None:
+            import inspect
+            try:
+                names = [p.name for p in inspect.signature(self.fn).parameters.values()
+                         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            except (TypeError, ValueError):
+                names = []
+            self._names_cache = names
+        return names
+
+    def _callable(self, statics: tuple) -> Callable:
+        """``fn`` as called with dynamic arguments only (see ``_split_call``)."""
+        if not statics:
+            return self.fn
+        pos = sorted((t[1], t[2]) for t in statics if t[0] == "pos")
+        kws = {t[1]: t[2] for t in statics if t[0] == "kw"}
+        has_kwargs = any(t[0] == "kwargs" for t in statics)
+        fn = self.fn
+
+        def call(*dyn: Any) -> Any:
+            dyn = list(dyn)
+            kw = dict(dyn.pop()) if has_kwargs else {}
+            for i, v in pos:
+                dyn.insert(i, v)
+            return fn(*dyn, **kw, **kws)
+        return call
+
+    def _call(self, args: tuple, statics: tuple = ()) -> Any:
         """The general path: the dynamic path, or the key, the cache and a program's run."""
         if self._dynamic is not None:
-            return self._dynamic.call(args)
+            return self._dynamic.call(args, statics)
         leaves, treedef = _tree_flatten(args)
-        prog = self._fast.get(treedef)
+        prog = self._fast.get((treedef, statics))
         if prog is not None and self._fast_key_matches(prog, leaves):
             # The last program for this structure: the executable itself checks every
             # argument's shape and dtype (a TypeError before anything runs), but not weak
@@ -178,7 +246,7 @@ class Replicated:
                         _prog.delete_donated(leaves, prog.donated)
                     return prog.out_treedef.unflatten(outs) if not prog.out_varying_any else \
                         prog.outputs(outs)
-        key = self._key_from(leaves, treedef)
+        key = self._key_from(leaves, treedef) + ((statics,) if statics else ())
         prog = self._cache.get(key)
         if prog is None:
             prog = self._cache.get_or_build(key, lambda: self._build(leaves, treedef, key))
@@ -194,7 +262,7 @@ class Replicated:
                                  for i, (s, lay) in enumerate(zip(sigs, prog.in_layout))
                                  if lay is not None)
             if prog.entry_tree is None:
-                self._fast[treedef] = prog
+                self._fast[(treedef, statics)] = prog
         return prog.run(leaves)
 
     def _fast_inputs(self, prog: Program, leaves: list) -> list | None:
@@ -238,11 +306,13 @@ class Replicated:
                 return False
         return True
 
-    def _run(self, prog: Program, args: tuple) -> Any:
+    def _run(self, prog: Program, args: tuple, kwargs: dict | None = None) -> Any:
         """Run a program compiled ahead of time (``Compiled.__call__``), after checking
         that the arguments match what it was compiled for."""
+        args, statics = self._split_call(args, kwargs or {}) if (
+            kwargs or self._statics_or_kwargs) else (args, ())
         leaves, _, key = self._key_of(args)
-        _check_same_signature(prog.key, key)
+        _check_same_signature(prog.key, key + ((statics,) if statics else ()))
         return prog.compile().run(leaves)
 
     def _sig(self, pr: PerReplica, index: int) -> tuple:
@@ -273,12 +343,15 @@ class Replicated:
         return ("per_replica", td0, sig0)
 
     # -- ahead of time & introspection ---------------------------------------------------
-    def lower(self, *args: Any) -> Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace, run the passes and lower for these arguments (arrays or
         ``jax.ShapeDtypeStruct``, ``PerReplica`` of either for per-replica inputs)."""
+        args, statics = self._split_call(args, kwargs) if (
+            kwargs or self._statics_or_kwargs) else (args, ())
         if self._dynamic is not None:  # dynamic shapes: needs arrays (their real sizes)
-            return Lowered(self._dynamic.lower(args))
-        return Lowered(_prog.build(self, *self._key_of(args)))
+            return Lowered(self._dynamic.lower(args, statics))
+        leaves, treedef, key = self._key_of(args)
+        return Lowered(_prog.build(self, leaves, treedef, key + ((statics,) if statics else ())))
 
     def _key_of(self, args: tuple) -> tuple[list, Any, tuple]:
         """(leaves, treedef, cache key) of a call's arguments (the slow path's key)."""
@@ -347,6 +420,17 @@ class Replicated:
         return self.lower(*args).ir(after)
 
 
+def _callable_name(fn: Any) -> str:
+    """A name for any callable: a function's, a partial's function's, a callable object's
+    class."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        return name
+    return type(fn).__name__
+
+
 def _describe(sig: Any) -> str:
     if sig and sig[0] == "per_replica":
         return "PerReplica of " + ", ".join(_describe(s) for s in sig[2])
@@ -373,7 +457,8 @@ def _check_same_signature(compiled_key: tuple, key: tuple) -> None:
 def replicate(fn: Callable | None = None, *, num_replicas: int | None = None,
               logical_devices: int = 1, devices: Any = None, loss_reduction: str = "mean",
               options: RunOptions | None = None, steps_per_call: int = 1, donate: bool = False,
-              step_outputs: str = "stack") -> Any:
+              step_outputs: str = "stack", axis_name: str | None = None,
+              static_argnums: Any = (), static_argnames: Any = ()) -> Any:
     """Replicate a per-replica step function; usable as ``replicate(fn, ...)``,
     ``@replicate`` and ``@replicate(...)``.
 
@@ -397,8 +482,17 @@ def replicate(fn: Callable | None = None, *, num_replicas: int | None = None,
 
     donate: donate the mirrored leaves of argument 0 (the state) to the executable
     (``donate_argnums``): XLA may reuse their buffers for the new state, and those input
-    arrays are deleted after each call (``x.is_deleted()``); pass the returned state next."""
+    arrays are deleted after each call (``x.is_deleted()``); pass the returned state next.
+
+    axis_name: the name the step's code uses for the replica axis, as ``jax.pmap``'s
+    ``axis_name``: ``lax.pmean(grads, 'batch')``, ``lax.psum``, ``lax.axis_index``,
+    ``flax.linen.BatchNorm(axis_name='batch')`` then run unchanged (see the README's
+    "Porting from pmap"). static_argnums / static_argnames: arguments that are Python
+    values (shapes, flags) rather than arrays, as in ``jax.jit``: they must be hashable and
+    are part of the cache key. Keyword arguments are passed to ``fn`` as given
+    (``step(state, batch, rng=keys)``; ``PerReplica`` values are allowed)."""
     def wrap(f: Callable) -> Replicated:
         return Replicated(f, num_replicas, logical_devices, devices, loss_reduction, options,
-                          steps_per_call, donate, step_outputs)
+                          steps_per_call, donate, step_outputs, axis_name, static_argnums,
+                          static_argnames)
     return wrap if fn is None else wrap(fn)

@@ -106,5 +106,5 @@ class Compiled:
         """``collectives()`` as an aligned text table."""
         return hlo_report.summarize(self.collectives())
 
-    def __call__(self, *args: Any) -> Any:
-        return self._program.owner._run(self._program, args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._program.owner._run(self._program, args, kwargs)

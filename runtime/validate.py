@@ -87,6 +87,41 @@ def replicate_args(fn: Any, num_replicas: Any, logical_devices: Any, devices: An
                             f"got {bad[0]!r} ({type(bad[0]).__name__})")
 
 
+def axis_name(v: Any) -> str:
+    """``replicate(axis_name=...)``: a name (default: the IR's own, ``'replica'``)."""
+    from ir.jaxpr_import import REPLICA_AXIS
+    if v is None:
+        return REPLICA_AXIS
+    if not isinstance(v, str) or not v:
+        raise TypeError(f"replicate: axis_name must be a non-empty string such as 'batch', got "
+                        f"{v!r} ({type(v).__name__})")
+    return v
+
+
+def static_args(argnums: Any, argnames: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``static_argnums`` (ints >= 0) and ``static_argnames`` (strings), one or many."""
+    nums = (argnums,) if is_int(argnums) else tuple(argnums if argnums is not None else ())
+    names = (argnames,) if isinstance(argnames, str) else tuple(argnames if argnames is not None else ())
+    for i in nums:
+        if not is_int(i) or i < 0:
+            raise TypeError(f"replicate: static_argnums must be non-negative ints, got {argnums!r}")
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"replicate: static_argnames must be strings, got {argnames!r}")
+    return tuple(sorted(set(int(i) for i in nums))), tuple(dict.fromkeys(names))
+
+
+def hashable_static(v: Any, what: str) -> Any:
+    """A static argument's value, which keys the cache: it must be hashable."""
+    try:
+        hash(v)
+    except TypeError:
+        raise TypeError(f"static {what} must be hashable (it is part of the cache key), got "
+                        f"{describe(v)}; pass a tuple instead of a list, or make it a "
+                        f"dynamic argument") from None
+    return v
+
+
 def run_options(o: Any) -> None:
     """The fields of ``RunOptions`` (the dynamic-shape ones in ``runtime.dynamic``)."""
     where = "RunOptions"
@@ -157,6 +192,44 @@ def check_arguments(args: tuple, is_per_replica_leaf: Callable[[Any], bool] = No
         elif not is_leaf_value(leaf):
             raise TypeError(f"step argument {where} is {describe(leaf)}; step arguments must "
                             f"be arrays or numbers (pytrees of them), or rt.PerReplica of those")
+
+
+class _DictSubclass:
+    """Stand-in, in a step's results, for an instance of a ``dict`` subclass that is not
+    a registered pytree (JAX would take it for one leaf): flattened as a dict, rebuilt as
+    an instance of its own class."""
+
+    def __init__(self, cls: type, items: dict):
+        self.cls, self.items = cls, items
+
+
+def _flatten_sub(d: _DictSubclass):
+    keys = tuple(d.items)
+    return [d.items[k] for k in keys], (d.cls, keys)
+
+
+def _unflatten_sub(aux: tuple, children: list) -> Any:
+    cls, keys = aux
+    try:
+        return cls(zip(keys, children))
+    except TypeError:  # a subclass whose constructor differs: fill an empty instance
+        out = cls.__new__(cls)
+        dict.update(out, zip(keys, children))
+        return out
+
+
+jax.tree_util.register_pytree_node(_DictSubclass, _flatten_sub, _unflatten_sub)
+
+
+def keep_container_types(out: Any) -> Any:
+    """``out`` with every ``dict`` subclass JAX does not know as a pytree made one that
+    comes back as its own class (``jax.jit`` would refuse it as a leaf)."""
+    def fix(x):
+        if isinstance(x, dict) and type(x) is not dict:
+            return _DictSubclass(type(x), {k: keep_container_types(v) for k, v in x.items()})
+        return x
+    return jax.tree.map(fix, out, is_leaf=lambda x: isinstance(x, dict) and type(x) is not dict
+                        and jax.tree_util.treedef_is_leaf(jax.tree.structure(x)))
 
 
 def check_results(out: Any, fn_name: str) -> None:
