@@ -6,8 +6,8 @@
 """
 from __future__ import annotations
 
-from runtime.annotations import (assign_to_logical_device, replicate_to_logical_devices,
-                                 split_to_logical_devices)
+from runtime.annotations import (assign_to_logical_device, num_logical_devices,
+                                 replicate_to_logical_devices, split_to_logical_devices)
 from runtime.cache import CacheInfo
 from runtime.collectives import (all_gather, all_reduce, all_to_all, local, num_replicas,
                                  ppermute, psum_scatter, replica_id)
@@ -19,14 +19,16 @@ from runtime.iterators import (DistributedIterator, ValueContext, distribute_ite
                                distribute_steps, distribute_values_from_function)
 from runtime.sync_on_read import SyncOnRead
 from runtime.dynamic import distribute_uneven
+from runtime import tpu
+from runtime.tpu import CompileOnlyError, DoesNotFitError, tpu_devices
 
 __all__ = [
     "replicate", "Replicated", "RunOptions", "PerReplica", "distribute", "reduce",
     "replica_id", "num_replicas", "local", "all_reduce", "all_gather", "all_to_all",
     "psum_scatter", "ppermute",
-    "assign_to_logical_device", "split_to_logical_devices", "replicate_to_logical_devices",
+    "assign_to_logical_device", "split_to_logical_devices", "num_logical_devices", "replicate_to_logical_devices",
     "Lowered", "Compiled", "CacheInfo",
     "distribute_iterator", "DistributedIterator", "distribute_values_from_function",
     "ValueContext", "distribute_steps", "SyncOnRead", "initialize_distributed",
-    "distribute_uneven",
+    "distribute_uneven", "tpu", "tpu_devices", "CompileOnlyError", "DoesNotFitError",
 ]

@@ -38,6 +38,13 @@ def _logical_devices(fn: str) -> int:
     return k
 
 
+def num_logical_devices() -> int:
+    """K, the number of logical devices of each replica (a Python int), inside a step: a
+    model written with ``split_to_logical_devices(w, [1, rt.num_logical_devices()])`` runs
+    for any K (``replicate-inspect --sweep`` tries them all)."""
+    return _logical_devices("num_logical_devices")
+
+
 def assign_to_logical_device(x: Any, logical_device_id: int) -> Any:
     """Place ``x`` on one logical device of the replica (XLA's maximal sharding)."""
     k = _logical_devices("assign_to_logical_device")

@@ -106,6 +106,27 @@ def gc_paused():
 
 
 # -- where values live ------------------------------------------------------------------
+def _raise_if_does_not_fit(error: Exception, owner: Any) -> None:
+    """A TPU compile that ran out of HBM becomes ``DoesNotFitError`` with the numbers."""
+    if not owner.layout.compile_only:
+        return
+    from runtime import tpu
+    fit = tpu.fit_from_compile_error(str(error), owner.layout.devices_nk.flat[0])
+    if fit is not None:
+        raise tpu.DoesNotFitError(
+            f"{owner.__name__} does not fit on {fit.device or 'the target device'}: "
+            f"{str(fit).splitlines()[0]}; "
+            f"use more logical devices per replica, a smaller batch per replica, or a chip "
+            f"with more HBM", fit) from error
+
+
+def is_compile_only(device: Any) -> bool:
+    """Whether ``device`` belongs to a compile-only client: a TPU topology described by
+    ``jax.experimental.topologies`` (``rt.tpu_devices``), which XLA compiles for but which
+    this machine cannot run."""
+    return type(getattr(device, "client", None)).__name__ == "CompileOnlyPyClient"
+
+
 class Layout:
     """A step's mesh of N replicas × K logical devices, and this process's part of it."""
 
@@ -115,6 +136,14 @@ class Layout:
         self.devices_nk = mesh.devices.reshape(num_replicas, logical_devices)
         self.replica_devices = [self.devices_nk[r, 0] for r in range(num_replicas)]
         self.varying_sharding = NamedSharding(mesh, P(REPLICA_AXIS))
+        #: devices of a topology this machine does not have (``rt.tpu_devices``): the step
+        #: lowers and compiles for them, as one program seen from one process, and never runs
+        self.compile_only = is_compile_only(self.devices_nk.flat[0])
+        if self.compile_only:
+            self.process_count = 1
+            self.local_replicas = list(range(num_replicas))
+            self.partial_replicas = []
+            return
         # Multi-process (jax.distributed): the mesh spans every process's devices, and each
         # process passes and receives the values of its own (local) replicas only.
         self.process_count = jax.process_count()
@@ -236,7 +265,12 @@ class Program:
     def compile(self) -> Program:
         if self.jax_compiled is None:
             t0 = time.perf_counter()
-            self.set_executable(self.jax_lowered.compile())
+            try:
+                compiled = self.jax_lowered.compile()
+            except Exception as e:  # noqa: BLE001 - the TPU compiler's out-of-memory refusal
+                _raise_if_does_not_fit(e, self.owner)
+                raise
+            self.set_executable(compiled)
             log.info("compiled %s in %.3f s", self.owner.__name__, time.perf_counter() - t0)
             folder = self.owner._dump_folder(self.key)
             if folder:

@@ -223,6 +223,8 @@ class Replicated:
 
     def _call(self, args: tuple, statics: tuple = ()) -> Any:
         """The general path: the dynamic path, or the key, the cache and a program's run."""
+        if self.layout.compile_only:
+            raise self._compile_only_error()
         if self._dynamic is not None:
             return self._dynamic.call(args, statics)
         leaves, treedef = _tree_flatten(args)
@@ -309,11 +311,22 @@ class Replicated:
     def _run(self, prog: Program, args: tuple, kwargs: dict | None = None) -> Any:
         """Run a program compiled ahead of time (``Compiled.__call__``), after checking
         that the arguments match what it was compiled for."""
+        if self.layout.compile_only:
+            raise self._compile_only_error()
         args, statics = self._split_call(args, kwargs or {}) if (
             kwargs or self._statics_or_kwargs) else (args, ())
         leaves, _, key = self._key_of(args)
         _check_same_signature(prog.key, key + ((statics,) if statics else ()))
         return prog.compile().run(leaves)
+
+    def _compile_only_error(self) -> Exception:
+        from runtime.tpu import CompileOnlyError
+        d = self.layout.devices_nk.flat[0]
+        return CompileOnlyError(
+            f"{self.__name__} targets {self.layout.devices_nk.size} {d.device_kind} devices "
+            f"that this machine does not have (rt.tpu_devices): it can be lowered, compiled and "
+            f"inspected (step.lower(*args).compile(), .memory_fit(), .roofline(), "
+            f"replicate-inspect --target), not run")
 
     def _sig(self, pr: PerReplica, index: int) -> tuple:
         n = len(self.local_replicas)

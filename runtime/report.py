@@ -25,7 +25,7 @@ from ir.graph import Graph, Op
 from ir.printer import value_names
 from ir.types import SymDim, TensorType
 
-__all__ = ["op_flops", "top_ops", "build_report", "write_dump", "write_ir", "summary",
+__all__ = ["op_flops", "top_ops", "build_report", "target_report", "write_dump", "write_ir", "summary",
            "REPORT_VERSION"]
 
 REPORT_VERSION = 1
@@ -182,7 +182,27 @@ def build_report(program: Any, input_paths: list[str] | None = None,
         "top_ops": top_ops(graph),
         "ir_flops_total": sum(op_flops(op) for op in graph.ops),
         "padding_overhead": None,
+        **target_report(program),
     }
+
+
+def target_report(program: Any) -> dict[str, Any]:
+    """``target`` (what the step compiled for), ``memory_fit`` (per-device memory against
+    the device's HBM, ``None`` where the capacity is unknown, as on CPU) and ``roofline``
+    (``runtime.tpu``'s estimate, ``None`` off TPU) of a compiled program."""
+    from runtime.stages import Compiled
+
+    c = Compiled(program)
+    out: dict[str, Any] = {"target": c.target, "memory_fit": None, "roofline": None}
+    try:
+        out["memory_fit"] = c.memory_fit().to_json()
+    except ValueError:
+        pass
+    try:
+        out["roofline"] = c.roofline().to_json()
+    except ValueError:
+        pass
+    return out
 
 
 def write_ir(records: Iterable[PassRecord], folder: str) -> list[str]:
@@ -232,7 +252,8 @@ def summary(report: dict[str, Any]) -> str:
     """A readable text summary of a report: totals, collectives, memory per device, the
     inputs' and outputs' shardings and the IR ops with the most flops."""
     lines = [f"{report['function']}: {report['num_replicas']} replicas x "
-             f"{report['logical_devices']} logical devices = {report['devices']} devices",
+             f"{report['logical_devices']} logical devices = {report['devices']} devices"
+             + (f" ({report['target']})" if report.get("target") else ""),
              f"flops (XLA, per device): {_human(report['flops'])}   "
              f"bytes accessed: {_human(report['bytes_accessed'])}", "", "collectives:"]
     cols = report["collectives"]
@@ -269,6 +290,17 @@ def summary(report: dict[str, Any]) -> str:
     for r in report["top_ops"]:
         lines.append(f"  {r['value']:>6s} {r['op']:22s} {_human(r['flops']):>8s} "
                      f"{100 * r['flops'] / total:5.1f}%  {r['type']}  {r['source']}")
+    fit, roof = report.get("memory_fit"), report.get("roofline")
+    if fit is not None:
+        from runtime.tpu import MemoryFit
+        keys = MemoryFit.__dataclass_fields__
+        lines += ["", "memory fit: " + str(MemoryFit(**{k: v for k, v in fit.items()
+                                                        if k in keys})).splitlines()[0]]
+    if roof is not None:
+        lines += ["", f"roofline estimate ({roof['chip']}): {roof['estimate_s'] * 1e3:.4g} ms per "
+                      f"step, {roof['bound']}-bound: compute {roof['compute_s'] * 1e3:.4g} ms, "
+                      f"hbm {roof['hbm_s'] * 1e3:.4g} ms, ici {roof['ici_s'] * 1e3:.4g} ms "
+                      f"(an estimate; see runtime/tpu.py)"]
     pad = report.get("padding_overhead")
     if pad is None:
         lines += ["", "padding overhead: n/a (no dynamic shapes)"]

@@ -5,11 +5,17 @@ from typing import Any, TYPE_CHECKING
 
 from compiler import hlo_report, sharding_view
 from compiler.hlo_report import Collective
+from runtime import tpu as _tpu
+from runtime.tpu import MemoryFit, Roofline
 from ir.graph import Graph
 from ir.printer import value_names
 
 if TYPE_CHECKING:
     from runtime.program import Program as _Program
+
+
+def chip_matches(chip: _tpu.TpuChip, device: object) -> bool:
+    return getattr(device, "device_kind", None) == chip.device_kind
 
 
 class Lowered:
@@ -95,6 +101,52 @@ class Compiled:
 
     def memory_analysis(self) -> Any:
         return self._program.jax_compiled.memory_analysis()
+
+    @property
+    def target(self) -> str:
+        """What the step compiled for: e.g. ``"TPU v5 lite x16 (compile-only)"`` or
+        ``"cpu x8"``."""
+        lay = self._program.owner.layout
+        d = lay.devices_nk.flat[0]
+        kind = getattr(d, "device_kind", d.platform) if d.platform == "tpu" else d.platform
+        return f"{kind} x{lay.devices_nk.size}" + (" (compile-only)" if lay.compile_only else "")
+
+    def memory_fit(self, capacity_bytes: int | None = None) -> MemoryFit:
+        """Memory per device (arguments, outputs, temporaries, the peak) against the
+        device's HBM (from ``rt.tpu.CHIPS``; ``capacity_bytes`` for other devices): fits, or
+        by how much it does not. ``ValueError`` when the capacity is unknown."""
+        lay = self._program.owner.layout
+        d = lay.devices_nk.flat[0]
+        if capacity_bytes is None:
+            capacity_bytes = _tpu.device_capacity(d, lay.devices_nk.flat)
+        if capacity_bytes is None:
+            raise ValueError(f"memory_fit: no known memory capacity for {d.platform} devices "
+                             f"({getattr(d, 'device_kind', '?')}); pass capacity_bytes=")
+        return _tpu.memory_fit(self.memory_analysis(), capacity_bytes,
+                               getattr(d, "device_kind", d.platform))
+
+    def roofline(self, chip: _tpu.TpuChip | str | None = None) -> Roofline:
+        """An estimate of the step time on one device from the compiler's cost analysis and
+        the collectives of the partitioned HLO: compute, HBM and ICI times and which one
+        bounds the step (``rt.tpu`` documents the formula). ``chip``: a ``TpuChip`` or a
+        generation name (default: the target's)."""
+        lay = self._program.owner.layout
+        d = lay.devices_nk.flat[0]
+        if isinstance(chip, str):
+            if chip not in _tpu.CHIPS:
+                raise ValueError(f"roofline: unknown chip {chip!r}; known: {', '.join(_tpu.CHIPS)}")
+            chip = _tpu.CHIPS[chip]
+        chip = chip or _tpu.chip_of(d)
+        if chip is None:
+            raise ValueError(f"roofline: {d.platform} devices have no chip figures; pass "
+                             f"chip= (one of {', '.join(_tpu.CHIPS)}) to estimate for a TPU")
+        cost = self.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+        mesh = self._program.owner.mesh
+        return _tpu.roofline(cost, self.collectives(), chip, tuple(mesh.devices.shape),
+                             tuple(mesh.axis_names),
+                             _tpu._devices_per_chip(lay.devices_nk.flat) if chip_matches(chip, d)
+                             else 1)
 
     def collectives(self) -> list[Collective]:
         """Every collective in the partitioned HLO (all-reduce, all-gather, reduce-scatter,

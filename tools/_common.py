@@ -178,11 +178,18 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                    help="a function returning the step's positional arguments as pytrees of "
                         "jax.ShapeDtypeStruct (rt.PerReplica of them for per-replica inputs); "
                         "it is given num_replicas= and logical_devices= when it accepts them")
-    p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="number of replicas N (default: 1)")
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="number of replicas N (default: 1; with --target tpu:..., every device "
+                        "of the topology over K)")
     p.add_argument("--logical-devices", type=int, default=1, metavar="K",
                    help="logical devices per replica K (default: 1); the tool compiles for "
                         "N*K virtual CPU devices however many the machine has")
+    p.add_argument("--target", dest="compile_target", default="cpu", metavar="TARGET",
+                   help="what to compile for: cpu (default: N*K virtual CPU devices) or "
+                        "tpu:GENERATION:TOPOLOGY, e.g. tpu:v5e:4x4 or tpu:v5p:4x4x4, with the "
+                        "real TPU compiler (libtpu, the 'tpu' extra) and no TPU: report.json "
+                        "then holds the memory fit against the chip's HBM and a roofline "
+                        "estimate")
     p.add_argument("--dynamic", metavar="BUCKETING", default=None, choices=("pow2", "auto"),
                    help="dynamic shapes: axis 0 of every per-replica input is dynamic, and the "
                         "step is compiled for the bucket its size falls in (pow2 or auto); "
@@ -197,12 +204,60 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
                         "devices are made)")
 
 
+_TPU_TARGET = re.compile(r"^tpu:([A-Za-z0-9]+:\d+(?:x\d+)*)$")
+
+
+def tpu_topology(ns: argparse.Namespace) -> str | None:
+    """``"v5e:4x4"`` for ``--target tpu:v5e:4x4``, ``None`` for ``--target cpu``."""
+    m = _TPU_TARGET.match(ns.compile_target)
+    return m.group(1) if m else None
+
+
 def check_compile_options(ns: argparse.Namespace) -> None:
-    if ns.replicas < 1 or ns.logical_devices < 1:
+    if ns.compile_target != "cpu" and tpu_topology(ns) is None:
+        raise ToolError(f"--target {ns.compile_target}: expected cpu or tpu:GENERATION:TOPOLOGY "
+                        f"(e.g. tpu:v5e:4x4, tpu:v5p:4x4x4)")
+    if ns.replicas is None and tpu_topology(ns) is None:
+        ns.replicas = 1
+    if (ns.replicas is not None and ns.replicas < 1) or ns.logical_devices < 1:
         raise ToolError(f"--replicas and --logical-devices must be positive, got "
                         f"{ns.replicas} and {ns.logical_devices}")
     if not ns.args:
         raise ToolError("--args FILE.py:MAKE_ARGS is required to compile FILE.py:FUNCTION")
+
+
+def ensure_target(ns: argparse.Namespace, module: str, argv: list[str]) -> None:
+    """Set up what ``--target`` needs before JAX starts: N*K virtual CPU devices, or for a
+    TPU topology an environment in which libtpu asks no metadata server (the TPU devices
+    are compile-only and need no count)."""
+    if tpu_topology(ns) is None:
+        ensure_devices(ns.replicas * ns.logical_devices, module, argv, ns.platform)
+        return
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def target_devices(ns: argparse.Namespace) -> list:
+    """The devices ``--target`` names, ``ns.replicas`` resolved (a TPU topology's default:
+    all its devices over K); a :class:`ToolError` when N*K exceeds them."""
+    import jax
+    topo = tpu_topology(ns)
+    if topo is None:
+        devices = jax.devices(ns.platform)
+    else:
+        from runtime.tpu import tpu_devices
+        devices = tpu_devices(topo)
+        if ns.replicas is None:
+            if len(devices) % ns.logical_devices:
+                raise ToolError(f"--logical-devices {ns.logical_devices} does not divide the "
+                                f"{len(devices)} devices of {topo}")
+            ns.replicas = len(devices) // ns.logical_devices
+    need = ns.replicas * ns.logical_devices
+    if need > len(devices):
+        raise ToolError(f"--replicas {ns.replicas} x --logical-devices {ns.logical_devices} "
+                        f"need {need} devices but {ns.compile_target} has {len(devices)}")
+    return list(devices[:need])
 
 
 def lower_step(ns: argparse.Namespace, target: str) -> tuple[Any, Any, list[str]]:
@@ -219,6 +274,7 @@ def lower_step(ns: argparse.Namespace, target: str) -> tuple[Any, Any, list[str]
     if not callable(fn):
         raise ToolError(f"{target} is a {type(fn).__name__} ({repr(fn)[:40]}), not a function")
     make_args = load_object(ns.args, "MAKE_ARGS")
+    devices = target_devices(ns)
     args = call_make_args(make_args, ns.replicas, ns.logical_devices)
     opts = {} if ns.pipeline is None else {"pipeline": ns.pipeline}
     if getattr(ns, "dynamic", None):
@@ -235,7 +291,6 @@ def lower_step(ns: argparse.Namespace, target: str) -> tuple[Any, Any, list[str]
                             if isinstance(a, PerReplica) else zeros(a), args,
                             is_leaf=lambda a: isinstance(a, PerReplica))
         ns.padding_overhead = _padding_overhead(args, make_bucketer(ns.dynamic), ns.dynamic)
-    devices = jax.devices(ns.platform)[:ns.replicas * ns.logical_devices]
     step = rt.replicate(fn, num_replicas=ns.replicas, logical_devices=ns.logical_devices,
                         devices=devices, loss_reduction=ns.loss_reduction,
                         options=rt.RunOptions(**opts))

@@ -16,11 +16,12 @@ from __future__ import annotations
 from tools._common import ArgumentParser as _ArgumentParser  # noqa: E402
 
 import argparse
+import json
 import os
 import sys
 
 from tools._common import (add_compile_options, add_debug_option, check_compile_options,
-                           ensure_devices, lower_step, output_paths, run_tool, writable_dir)
+                           ensure_target, lower_step, output_paths, run_tool, writable_dir)
 
 DESCRIPTION = __doc__
 
@@ -35,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_compile_options(p)
     p.add_argument("--out", metavar="DIR", default=None,
                    help="output folder (default: ./inspect-<FUNCTION>); created if missing")
+    p.add_argument("--sweep", action="store_true",
+                   help="with --target tpu:...: compile every split of the topology's devices "
+                        "into N replicas x K logical devices that the step's annotations allow "
+                        "(--replicas and --logical-devices are ignored; MAKE_ARGS is called for "
+                        "each), print one table ranked by the roofline estimate, and write "
+                        "sweep.json; progress goes to stderr")
+    p.add_argument("-j", "--jobs", type=int, default=None, metavar="J",
+                   help="--sweep: compiles run in J threads (default: the CPU count)")
     p.add_argument("--quiet", action="store_true", help="print only the output folder")
     add_debug_option(p)
     return p
@@ -51,6 +60,98 @@ def run(ns: argparse.Namespace) -> dict:
                       padding_overhead=getattr(ns, "padding_overhead", None))
 
 
+def plans(n: int) -> list[tuple[int, int]]:
+    """Every (replicas, logical devices) with replicas x logical devices = ``n``."""
+    return [(n // k, k) for k in range(1, n + 1) if n % k == 0]
+
+
+def _plan_row(n: int, k: int) -> dict:
+    return {"replicas": n, "logical_devices": k, "status": "not allowed", "estimate_s": None,
+            "bound": None, "peak_bytes": None, "fits": None, "collective_bytes": None,
+            "compile_s": None, "error": None}
+
+
+def sweep(ns: argparse.Namespace) -> list[dict]:
+    """Lower the step for every plan (in turn: tracing is Python), compile the lowered
+    ones in ``ns.jobs`` threads (XLA's compile releases the GIL), and rank the rows: plans
+    that fit by their estimate, then those that do not fit, then those not allowed."""
+    import copy
+    import time
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from runtime.tpu import DoesNotFitError, tpu_devices
+    from tools._common import tpu_topology
+
+    topo = tpu_topology(ns)
+    total = len(tpu_devices(topo))
+    rows, lowered = [], []
+    todo = plans(total)
+    for i, (n, k) in enumerate(todo):
+        row = _plan_row(n, k)
+        rows.append(row)
+        sub = copy.copy(ns)
+        sub.replicas, sub.logical_devices = n, k
+        print(f"[sweep] {i + 1}/{len(todo)} lowering {n} replicas x {k} logical devices",
+              file=sys.stderr, flush=True)
+        try:
+            lowered.append((row, lower_step(sub, ns.target)[1]))
+        except Exception as e:  # noqa: BLE001 - an annotation this split cannot hold
+            row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+    def compile_one(row: dict, lo) -> dict:
+        t0 = time.perf_counter()
+        try:
+            c = lo.compile()
+        except DoesNotFitError as e:
+            row.update(status="does not fit", fits=False, peak_bytes=e.fit.peak_bytes,
+                       error=str(e.fit).splitlines()[0])
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            row.update(status="compile error",
+                       error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+        else:
+            fit, roof = c.memory_fit(), c.roofline()
+            row.update(status="ok" if fit.fits else "does not fit", fits=fit.fits,
+                       peak_bytes=fit.peak_bytes, estimate_s=roof.estimate_s, bound=roof.bound,
+                       collective_bytes=roof.collective_bytes)
+        row["compile_s"] = time.perf_counter() - t0
+        return row
+
+    jobs = max(1, ns.jobs or os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=min(jobs, max(1, len(lowered)))) as pool:
+        futures = [pool.submit(compile_one, row, lo) for row, lo in lowered]
+        for done, f in enumerate(as_completed(futures), 1):
+            r = f.result()
+            print(f"[sweep] compiled {done}/{len(futures)}: {r['replicas']} x "
+                  f"{r['logical_devices']} ({r['status']}, {r['compile_s']:.2f} s)",
+                  file=sys.stderr, flush=True)
+    order = {"ok": 0, "does not fit": 1, "compile error": 2, "not allowed": 3}
+    rows.sort(key=lambda r: (order[r["status"]], r["estimate_s"] if r["estimate_s"] is not None
+                             else float("inf"), r["peak_bytes"] or 0))
+    return rows
+
+
+def sweep_table(rows: list[dict], target: str) -> str:
+    """The ranked plans as an aligned table (best first)."""
+    from runtime.tpu import _human_bytes
+    head = ("rank", "replicas x K", "estimate", "bound", "peak memory", "fits",
+            "collective bytes", "status")
+    out = [head]
+    for i, r in enumerate(rows, 1):
+        out.append((str(i), f"{r['replicas']} x {r['logical_devices']}",
+                    f"{r['estimate_s'] * 1e3:.4g} ms" if r["estimate_s"] is not None else "-",
+                    r["bound"] or "-",
+                    _human_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "-",
+                    {True: "yes", False: "no", None: "-"}[r["fits"]],
+                    str(r["collective_bytes"]) if r["collective_bytes"] is not None else "-",
+                    r["status"] + (f": {r['error']}" if r["error"] and r["status"] != "ok"
+                                   else "")))
+    w = [max(len(row[i]) for row in out) for i in range(len(head) - 1)]
+    lines = [f"sweep over {target} (roofline estimates; see runtime/tpu.py):"]
+    lines += ["  " + "  ".join(row[i].ljust(w[i]) for i in range(len(w))) + "  " + row[-1]
+              for row in out]
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
@@ -61,7 +162,18 @@ def main(argv: list[str] | None = None) -> int:
             ns.out = os.path.abspath(f"inspect-{ns.target.rsplit(':', 1)[-1]}")
         writable_dir(ns.out, "--out")
         # parse first, JAX later: the device count must be in XLA_FLAGS before it starts
-        ensure_devices(ns.replicas * ns.logical_devices, "tools.inspect", argv, ns.platform)
+        ensure_target(ns, "tools.inspect", argv)
+        if ns.sweep:
+            from tools._common import ToolError, tpu_topology
+            if tpu_topology(ns) is None:
+                raise ToolError("--sweep needs a TPU target (--target tpu:GENERATION:TOPOLOGY): "
+                                "it ranks plans by the chip's memory and roofline estimate")
+            rows = sweep(ns)
+            with open(os.path.join(ns.out, "sweep.json"), "w") as f:
+                json.dump({"target": ns.compile_target, "plans": rows}, f, indent=1)
+            print(sweep_table(rows, ns.compile_target))
+            print(f"wrote {ns.out}/sweep.json")
+            return 0
         report = run(ns)
         from runtime.report import summary
         if not ns.quiet:

@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 from tools._common import (ToolError, add_compile_options, add_debug_option,
-                           check_compile_options, ensure_devices, lower_step, pick_pass,
+                           check_compile_options, ensure_target, lower_step, pick_pass,
                            read_ir_dir, run_tool)
 
 # ------------------------------------------------------------------------- loading
@@ -44,7 +44,7 @@ def load_passes(ns: argparse.Namespace, argv: list[str]) -> list[tuple[str, floa
     """``(pass, seconds, Graph)`` for every stage of ``ns.source``."""
     if _is_compile_target(ns.source):
         check_compile_options(ns)
-        ensure_devices(ns.replicas * ns.logical_devices, "tools.ir", argv, ns.platform)
+        ensure_target(ns, "tools.ir", argv)
         _, lowered, _ = lower_step(ns, ns.source)
         recs = lowered._program.records
         return [(r.name, r.seconds, r.graph) for r in recs]
