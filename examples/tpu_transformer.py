@@ -49,15 +49,21 @@ def _layernorm(x, g):
     return y.astype(x.dtype)
 
 
-def _block(p, x, heads):
+def split_in_replica(w, how: str):
+    """The step's annotation: ``how`` is "col" (split the columns over the replica's K
+    logical devices) or "row"."""
     k = rt.num_logical_devices()
-    col = lambda w: rt.split_to_logical_devices(w, [1, k])  # noqa: E731
-    row = lambda w: rt.split_to_logical_devices(w, [k, 1])  # noqa: E731
+    return rt.split_to_logical_devices(w, [1, k] if how == "col" else [k, 1])
+
+
+def _block(p, x, heads, split):
+    col = lambda w: split(w, "col")  # noqa: E731
+    row = lambda w: split(w, "row")  # noqa: E731
     b, t, d = x.shape
     h = _layernorm(x, p["ln1"])
     q, kk, v = jnp.split(h @ col(p["wqkv"]), 3, axis=-1)
-    split = lambda a: a.reshape(b, t, heads, d // heads)  # noqa: E731
-    q, kk, v = split(q), split(kk), split(v)
+    by_head = lambda a: a.reshape(b, t, heads, d // heads)  # noqa: E731
+    q, kk, v = by_head(q), by_head(kk), by_head(v)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, kk).astype(jnp.float32) / np.sqrt(d // heads)
     s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
     a = jax.nn.softmax(s, axis=-1).astype(x.dtype)
@@ -67,10 +73,13 @@ def _block(p, x, heads):
     return x + jax.nn.gelu(h @ col(p["w1"])) @ row(p["w2"])
 
 
-def loss(params, tokens, heads=CONFIG["heads"]):
+def loss(params, tokens, heads=None, split=split_in_replica):
+    """Next-token cross-entropy; ``split(w, "col" | "row")`` lays the block weights out
+    (default: :func:`split_in_replica`; a hand-written ``jax.jit`` passes its own)."""
+    heads = heads or CONFIG["heads"]
     x = params["embed"][tokens[:, :-1]]
     for p in params["blocks"]:
-        x = _block(p, x, heads)
+        x = _block(p, x, heads, split)
     logits = (_layernorm(x, params["ln_f"]) @ params["embed"].T).astype(jnp.float32)
     labels = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1])
     return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), -1))
