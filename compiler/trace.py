@@ -146,6 +146,7 @@ def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[Leaf
 
     jc.install_vjp_hook(_pullback)
     jc.install_custom_vjp_sum()
+    jc.install_vmap_axis_collectives()
 
     def trace():
         with replica_context(num_replicas, logical_devices, axis_name), \

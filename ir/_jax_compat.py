@@ -14,6 +14,7 @@ Supports jax 0.10.x and 0.11.x. The differences this module hides (see JAX's CHA
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import os
 from typing import Any, Sequence
@@ -590,6 +591,147 @@ def install_custom_vjp_sum() -> None:
 
     patched._replicate_hlo = True
     cd._flatten_bwd = patched
+
+
+# Collectives over a ``vmap`` axis inside ``shard_map(check_vma=True)`` (the trace of every
+# step: trace.py). ``jax.vmap(f, axis_name="i")`` where ``f`` calls ``lax.pmean(x, "i")``
+# (equinox's BatchNorm(axis_name=...), per-example code) crashes there in JAX 0.10 and
+# 0.11 alike: ``pvary`` asserts that every axis it casts over is a mesh axis, and the
+# batching rule of ``psum``/``pmax``/``pmin`` rebinds them with a positional axis, which
+# the check_vma abstract evaluation refuses. jax.pmap and shard_map(check_vma=False) do
+# not type values, so they do not hit it. The patch below changes JAX only where it
+# would crash: ``pvary`` over names that are not axes of the current mesh (vmap axes:
+# varying along them is what batching already tracks) casts over the mesh axes alone,
+# and a reduction over a vmap axis of a batched value becomes a plain reduction over
+# the batch dimension, then the collective over the remaining (mesh) axes.
+def _mesh_axis_names() -> frozenset:
+    from jax._src import mesh as mesh_lib
+    m = mesh_lib.get_abstract_mesh()
+    return frozenset() if m.empty else frozenset(m.axis_names)
+
+
+def _only_vmap_extras(axes: tuple) -> frozenset | None:
+    """The current mesh's axis names when every name in ``axes`` that is not one of them
+    is a bound (vmap) axis and there is at least one such name; else ``None`` (JAX's own
+    behaviour applies: no mesh, only mesh axes, or an unknown name it reports)."""
+    from jax._src import core as jcore
+    mesh_axes = _mesh_axis_names()
+    if not mesh_axes:
+        return None
+    extra = [a for a in axes if not isinstance(a, int) and a not in mesh_axes]
+    if not extra:
+        return None
+    env = jcore.get_axis_env()
+    return mesh_axes if all(env.axis_exists(a) for a in extra) else None
+
+
+def install_vmap_axis_collectives() -> None:
+    """Install the patch described above (idempotent)."""
+    from jax._src import core as jcore
+    from jax._src.interpreters import batching
+    from jax._src.lax import lax as jlax
+    from jax._src.lax import parallel as par
+
+    if getattr(jcore.pvary, "_replicate_hlo", False):
+        return
+    orig_pvary = jcore.pvary
+
+    def pvary(x, axis_name):
+        axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        mesh_axes = _only_vmap_extras(axes) if axis_name else None
+        if mesh_axes:
+            axes = tuple(a for a in axes if a in mesh_axes)
+            return orig_pvary(x, axes) if axes else x
+        return orig_pvary(x, axis_name)
+
+    pvary._replicate_hlo = True
+    jcore.pvary = pvary
+    par.pvary = pvary
+    try:
+        from jax._src import shard_map as _sm
+        if getattr(_sm, "pvary", None) is orig_pvary:
+            _sm.pvary = pvary
+    except ImportError:  # pragma: no cover - moved
+        pass
+
+    if hasattr(par, "_get_from"):
+        orig_get_from = par._get_from
+
+        def get_from(aval, axes, name):
+            # what a collective does is decided by the mesh axes; a vmap axis is batching's
+            mesh_axes = _only_vmap_extras(tuple(axes))
+            if mesh_axes:
+                axes = tuple(a for a in axes if a in mesh_axes)
+                if not axes:
+                    return "varying"
+            return orig_get_from(aval, axes, name)
+
+        par._get_from = get_from
+
+    orig_eval = par._psum_invariant_abstract_eval
+
+    def invariant_eval(name, aval, *, axes):
+        # a staged reduction over a vmap axis (linearize under vmap) types like one over
+        # its mesh axes; batching rewrites it into a reduction over the batch dimension
+        mesh_axes = _only_vmap_extras(tuple(axes))
+        if mesh_axes and not any(isinstance(a, int) for a in axes):
+            on_mesh = tuple(a for a in axes if a in mesh_axes)
+            out, effects = orig_eval(name, aval, axes=on_mesh) if on_mesh else (aval, set())
+            return out, set(effects) | {jcore.NamedAxisEffect(a) for a in axes
+                                        if a not in mesh_axes}
+        return orig_eval(name, aval, axes=axes)
+
+    par._psum_invariant_abstract_eval = invariant_eval      # pmax / pmin look it up
+    par.psum_invariant_p.def_effectful_abstract_eval(
+        functools.partial(invariant_eval, par.psum_invariant_p.name))
+
+    from jax._src.interpreters import ad
+    orig_transpose = ad.primitive_transposes.get(par.psum_invariant_p)
+
+    def invariant_transpose(cts, arg, *, axes):
+        # reached by jax.vmap(jax.grad(f)) when f reduces over the vmap axis: each
+        # example's gradient would need every other example's contribution, which has no
+        # per-example meaning (jax.pmap silently sums them; JAX's own check crashes)
+        mesh_axes = _only_vmap_extras(tuple(axes))
+        vmap_axes = [a for a in axes if not isinstance(a, int) and a not in (mesh_axes or ())]
+        if mesh_axes and vmap_axes:
+            raise ValueError(
+                f"a gradient taken inside vmap flows back through a collective over the vmap "
+                f"axis {vmap_axes[0]!r} (jax.vmap(jax.grad(f)) where f calls lax.psum / "
+                f"pmean over {vmap_axes[0]!r}): per-example gradients of a loss that mixes "
+                f"the examples are not defined; take the gradient outside the vmap "
+                f"(jax.grad(lambda w: jax.vmap(f, axis_name={vmap_axes[0]!r})(...).sum())), "
+                f"or compute the collective outside the differentiated function")
+        return orig_transpose(cts, arg, axes=axes)
+
+    if orig_transpose is not None:
+        ad.primitive_transposes[par.psum_invariant_p] = invariant_transpose
+
+    reducers = {par.psum_invariant_p: (jlax.reduce_sum_p, lambda v, n: n * v)}
+    if hasattr(par, "pmax_p"):
+        reducers[par.pmax_p] = (jlax.reduce_max_p, lambda v, n: v)
+    if hasattr(par, "pmin_p"):
+        reducers[par.pmin_p] = (jlax.reduce_min_p, lambda v, n: v)
+    reduce_fns = {jlax.reduce_sum_p: jlax.reduce_sum, jlax.reduce_max_p: jlax.reduce_max,
+                  jlax.reduce_min_p: jlax.reduce_min}
+    for prim, (red, _unmapped) in reducers.items():
+        orig_rule = batching.fancy_primitive_batchers[prim]
+
+        def rule(axis_data, vals_in, dims_in, *args, _prim=prim, _red=red, _orig=orig_rule,
+                 **params):
+            axes = params.get("axes", args[0] if args else ())
+            (v,), (d,) = vals_in, dims_in
+            mesh_axes = _mesh_axis_names()
+            if (d is None or axis_data.name not in axes or not mesh_axes
+                    or axis_data.name in mesh_axes or params.get("axis_index_groups")):
+                return _orig(axis_data, vals_in, dims_in, *args, **params)
+            out = reduce_fns[_red](v, (d,))       # over the vmap axis: the batch dimension
+            rest = tuple(a for a in axes if a != axis_data.name)
+            if rest:
+                out = _prim.bind(out, **{**params, "axes": rest})
+            return out, None
+
+        batching.fancy_primitive_batchers[prim] = rule
 
 
 def define_scale_primitive(name: str) -> Primitive:
