@@ -137,7 +137,9 @@ class Replicated:
         #: the C++ dispatch of the last program whose inputs and results are all mirrored
         self._hit = None
         self._hits = itertools.count()
-        functools.update_wrapper(self, fn)
+        # not the wrapped callable's __dict__: a callable object's attributes (eqx.filter_jit's
+        # "fn", say) must not replace this object's own
+        functools.update_wrapper(self, fn, updated=())
         if not isinstance(getattr(self, "__name__", None), str):
             # partials, bound methods of objects without __name__, callable objects
             self.__name__ = _callable_name(fn)

@@ -68,12 +68,25 @@ class _Model:
         return _train_step(w, x, self.lr)
 
 
+class _WithFnAttribute:
+    """A callable object whose attributes are named like ours (eqx.filter_jit's are)."""
+
+    def __init__(self):
+        self.fn, self.options, self.mesh = "not callable", None, None
+
+    def __call__(self, w, x):
+        return _train_step(w, x, 0.1)
+
+
 @pytest.mark.parametrize("make", [
     lambda: functools.partial(_train_step, lr=0.1),
     lambda: _Model(0.1).step,
     lambda: _Model(0.1),
     lambda: jax.jit(functools.partial(_train_step, lr=0.1)),
-], ids=["partial", "bound-method", "callable-object", "jax.jit"])
+    lambda: __import__("equinox").filter_jit(functools.partial(_train_step, lr=0.1)),
+    lambda: _WithFnAttribute(),
+], ids=["partial", "bound-method", "callable-object", "jax.jit", "eqx.filter_jit",
+        "object-with-fn-attribute"])
 def test_any_callable_runs_like_pmap(make):
     fn = make()
     step = rt.replicate(fn, num_replicas=N, axis_name="batch")
@@ -230,6 +243,41 @@ def test_unknown_axis_name_is_a_clear_error():
 def test_axis_name_without_setting_it_names_the_option():
     with pytest.raises(NameError, match=r"axis_name="):
         rt.replicate(lambda x: lax.pmean(x, "batch"), num_replicas=N)(per(X))
+
+
+# -- collectives over a vmap axis inside the step (equinox's BatchNorm(axis_name=...)) ----------
+def test_collectives_over_a_vmap_axis_equal_pmap():
+    def step(x):
+        y = jax.vmap(lambda xi: xi - lax.pmean(xi, "i"), axis_name="i")(x)
+        z = jax.vmap(lambda xi: xi * lax.psum(1.0, "i") + lax.pmean(xi, ("i", "batch")),
+                     axis_name="i")(x)
+        m = jax.vmap(lambda xi: lax.pmax(xi, "i") - lax.pmin(xi, ("batch", "i")), axis_name="i")(x)
+        return y, z, m
+
+    assert_same_as_pmap(step, X)
+
+
+def test_gradient_of_a_vmap_with_collectives_is_exact():
+    """grad(vmap(f)) where f normalizes over the vmap axis (batch norm): equals one
+    device's gradient of the mean of the per-replica losses (the all-reduce's mean)."""
+    def loss(w, x):
+        h = jax.vmap(lambda xi: jnp.tanh(xi @ w) - lax.pmean(jnp.tanh(xi @ w), "i"),
+                     axis_name="i")(x)
+        return jnp.mean(h ** 2)
+
+    got = rt.replicate(lambda w, x: jax.grad(loss)(w, x), num_replicas=N)(W, per(X))
+    want = np.mean([jax.grad(loss)(W, X[r]) for r in range(N)], axis=0)
+    assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_per_example_gradients_through_a_vmap_collective_are_refused():
+    def step(w, x):
+        return jax.vmap(jax.grad(lambda w, xi: jnp.sum((xi @ w - lax.pmean(xi @ w, "i")) ** 2)),
+                        in_axes=(None, 0), axis_name="i")(w, x)
+
+    with pytest.raises(ValueError, match=r"per-example gradients of a loss that mixes the "
+                                         r"examples are not defined"):
+        rt.replicate(step, num_replicas=N)(W, per(X))
 
 
 # -- our own collectives, with pmap as the oracle ---------------------------------------------
