@@ -734,6 +734,119 @@ def install_vmap_axis_collectives() -> None:
         batching.fancy_primitive_batchers[prim] = rule
 
 
+# Derivatives of cumprod / cummax / cummin / cumlogsumexp at a symbolic size (dynamic
+# shapes: the step is traced once with axis 0 a dim variable). JAX differentiates them
+# with ``associative_scan``, which needs a constant size ("associative scan over axis of
+# non-constant size"). While such a step is traced, their JVP is instead two opaque
+# primitives, ``cumulative_jvp(x, t)`` and its transpose ``cumulative_vjp(x, ct)``, typed
+# like ``t`` / ``x``; they lower to JAX's own associative-scan derivative, which by then
+# runs at the bucket's constant size. The padding pass masks their operands (x to the
+# op's identity, t and ct to 0) along a padded axis, so padding never reaches real rows.
+_SYMBOLIC_CUMULATIVE = contextvars.ContextVar("symbolic_cumulative", default=False)
+_CUM_PRIMS: dict[str, Primitive] = {}
+
+
+def _cumulative_scan(kind: str, axis: int, reverse: bool) -> Any:
+    import jax.numpy as jnp
+    combine = {"cumprod": jax.lax.mul, "cummax": jax.lax.max, "cummin": jax.lax.min,
+               "cumlogsumexp": jnp.logaddexp}[kind]
+    return functools.partial(jax.lax.associative_scan, combine, axis=axis, reverse=reverse)
+
+
+def _align_varying(*xs: Any) -> list:
+    """``xs`` cast to the union of their varying manual axes (values unchanged)."""
+    axes = frozenset().union(*(varying_axes(jax.typeof(x)) for x in xs))
+    out = []
+    for x in xs:
+        extra = axes - varying_axes(jax.typeof(x))
+        out.append(jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x)
+    return out
+
+
+def cumulative_derivative_primitives() -> tuple[Primitive, Primitive]:
+    """``(cumulative_jvp, cumulative_vjp)``, defined once (see the comment above)."""
+    if _CUM_PRIMS:
+        return _CUM_PRIMS["jvp"], _CUM_PRIMS["vjp"]
+    from jax._src.interpreters import ad, batching, mlir
+
+    jvp_p, vjp_p = Primitive("cumulative_jvp"), Primitive("cumulative_vjp")
+
+    def jvp_impl(x, t, *, kind, axis, reverse):
+        return jax.jvp(_cumulative_scan(kind, axis, reverse), (x,), (t,))[1]
+
+    def vjp_impl(x, ct, *, kind, axis, reverse):
+        return jax.vjp(_cumulative_scan(kind, axis, reverse), x)[1](ct)[0]
+
+    for p, impl, which in ((jvp_p, jvp_impl, 1), (vjp_p, vjp_impl, 1)):
+        p.def_impl(impl)
+        p.def_abstract_eval(lambda *avals, _i=which, **params: avals[_i])
+        mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=False))
+
+        def batch(args, dims, *, _p=p, kind, axis, reverse):
+            size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+            moved = [batching.moveaxis(a, d, 0) if d is not None else
+                     jax.numpy.broadcast_to(a, (size,) + a.shape) for a, d in zip(args, dims)]
+            return _p.bind(*moved, kind=kind, axis=axis + 1, reverse=reverse), 0
+        batching.primitive_batchers[p] = batch
+
+    def jvp_transpose(ct, x, t, *, kind, axis, reverse):
+        if type(ct) is ad.Zero:
+            return [None, ad.Zero(t.aval)]
+        x, ct = _align_varying(x, ct)
+        return [None, vjp_p.bind(x, ct, kind=kind, axis=axis, reverse=reverse)]
+
+    def vjp_transpose(ct, x, c, *, kind, axis, reverse):
+        if type(ct) is ad.Zero:
+            return [None, ad.Zero(c.aval)]
+        x, ct = _align_varying(x, ct)
+        return [None, jvp_p.bind(x, ct, kind=kind, axis=axis, reverse=reverse)]
+
+    ad.primitive_transposes[jvp_p] = jvp_transpose
+    ad.primitive_transposes[vjp_p] = vjp_transpose
+    _CUM_PRIMS.update(jvp=jvp_p, vjp=vjp_p)
+    if _PRIMITIVES is not None:
+        _PRIMITIVES.update({jvp_p.name: jvp_p, vjp_p.name: vjp_p})
+    return jvp_p, vjp_p
+
+
+def install_symbolic_cumulative_rules() -> None:
+    """Route the JVPs of cumprod / cummax / cummin / cumlogsumexp through the primitives
+    above while :func:`symbolic_cumulative` is on (idempotent; JAX's rules otherwise)."""
+    from jax._src.interpreters import ad
+    from jax._src.lax.control_flow import loops
+
+    jvp_p, _ = cumulative_derivative_primitives()
+    for kind in ("cumprod", "cummax", "cummin", "cumlogsumexp"):
+        prim = getattr(loops, f"{kind}_p")
+        orig = ad.primitive_jvps[prim]
+        if getattr(orig, "_replicate_hlo", False):
+            continue
+
+        def rule(primals, tangents, *, axis, reverse, _prim=prim, _kind=kind, _orig=orig):
+            if not _SYMBOLIC_CUMULATIVE.get():
+                return _orig(primals, tangents, axis=axis, reverse=reverse)
+            (x,), (t,) = primals, tangents
+            y = _prim.bind(x, axis=axis, reverse=reverse)
+            if type(t) is ad.Zero:
+                return y, ad.Zero(t.aval)
+            x, t = _align_varying(x, t)
+            return y, jvp_p.bind(x, t, kind=_kind, axis=axis, reverse=reverse)
+
+        rule._replicate_hlo = True
+        ad.primitive_jvps[prim] = rule
+
+
+@contextlib.contextmanager
+def symbolic_cumulative():
+    """While a step with symbolic sizes is traced (see above)."""
+    install_symbolic_cumulative_rules()
+    token = _SYMBOLIC_CUMULATIVE.set(True)
+    try:
+        yield
+    finally:
+        _SYMBOLIC_CUMULATIVE.reset(token)
+
+
 def define_scale_primitive(name: str) -> Primitive:
     """A primitive standing for ``x * factor`` with the factor decided later (by a pass):
     linear and self-adjoint, so its JVP and its transpose are itself with the same

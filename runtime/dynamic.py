@@ -55,6 +55,7 @@ import numpy as np
 from compiler.lower import build_jitted
 from compiler.pass_manager import PassManager, parse_pipeline
 from compiler.trace import LeafSpec, trace_replica_fn
+from ir import _jax_compat as jc
 from ir.graph import Graph, Value
 from ir.types import Replica, SymDim, TensorType
 from runtime.per_replica import LEAF_TREEDEF, PerReplica
@@ -436,9 +437,10 @@ class DynamicPath:
         name = rep.__name__
         fn = rep._callable(statics)
         try:
-            graph, t = trace_replica_fn(flat_fn, specs, rep.num_replicas, name,
-                                        logical_devices=rep.logical_devices,
-                                        axis_name=rep.axis_name)
+            with jc.symbolic_cumulative():
+                graph, t = trace_replica_fn(flat_fn, specs, rep.num_replicas, name,
+                                            logical_devices=rep.logical_devices,
+                                            axis_name=rep.axis_name)
         except jax.errors.InconclusiveDimensionOperation as e:
             raise _inconclusive(e, name, syms, bounds) from e
         except TypeError as e:

@@ -21,7 +21,7 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
   real sizes passed in as extra inputs, so the same rules hold inside;
 - ops that cannot be made exact over a padded axis raise :class:`PaddingError` naming the
   op and the user's source line: a ``scan`` stepping along a padded axis, ``rev``,
-  windows and convolutions, collectives of padded values, and ops whose result would mix
+  windows and convolutions over padded window dims, collectives of padded values, and ops whose result would mix
   padded with real positions. Ops not known are allowed only when they keep each
   padded axis where it was (element-wise); otherwise they are errors, never silent.
 - call-like ops (``pjit``, ``custom_jvp_call``...) holding padded values are inlined.
@@ -70,10 +70,15 @@ REDUCE_RULES: dict[str, tuple[str, str]] = {
     "cumsum": ("axis", "0"), "cumprod": ("axis", "1"), "cummax": ("axis", "-inf"),
     "cummin": ("axis", "+inf"), "cumlogsumexp": ("axis", "-inf"),
 }
+#: the identity of each cumulative op, finite (see ``cumulative_jvp`` in ``masked``)
+_CUM_IDENTITY = {"cumprod": "1", "cummax": "lowest", "cummin": "highest",
+                 "cumlogsumexp": "lowest"}
+#: window ops: exact when every padded axis has a window of one element (pooling over H, W
+#: of a padded batch), an error otherwise
+WINDOWS = frozenset({"reduce_window", "reduce_window_sum", "reduce_window_max",
+                     "reduce_window_min", "select_and_scatter_add", "select_and_gather_add"})
 #: ops that are never exact when an operand is padded
-DENY = frozenset({"reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
-                  "conv_general_dilated", "select_and_scatter_add", "select_and_gather_add",
-                  "all_gather", "all_to_all", "all_reduce", "fft",
+DENY = frozenset({"all_gather", "all_to_all", "all_reduce", "fft",
                   "reduce", "reduce_precision_window", "psum_scatter", "ppermute"})
 #: ops that call their one region with their operands and are kept as ops (not inlined)
 _REGION_CALLS = frozenset({"remat2", "checkpoint", "remat", "custom_lin"})
@@ -327,6 +332,21 @@ class _Padder:
                     operands[0] = self.mask(operands[0], la, sym, "0", op)
                     operands[1] = self.mask(operands[1], ra, sym, "0", op)
             return operands
+        if name in ("cumulative_jvp", "cumulative_vjp"):
+            # the derivative of a cumulative op (jc.cumulative_derivative_primitives): its
+            # input at the op's identity (finite: the derivative of max/logaddexp at an
+            # infinity is NaN) and the tangent or cotangent at 0 along the padded axis
+            a = op.attr("axis")
+            sym = pads[0].get(a) or pads[1].get(a)
+            if sym:
+                operands[0] = self.mask(operands[0], a, sym, _CUM_IDENTITY[op.attr("kind")], op)
+                operands[1] = self.mask(operands[1], a, sym, "0", op)
+            return operands
+        if name == "conv_general_dilated":
+            return self.conv(op, pads, operands)
+        if name in WINDOWS:
+            self.check_window_op(op, pads)
+            return operands
         if name == "rev":
             bad = [a for a in op.attr("dimensions") if a in pads[0]]
             if bad:
@@ -350,6 +370,54 @@ class _Padder:
                         f"padding: {op.name} is not known to be exact over the padded axis "
                         f"{a} (dim {sym}) of its operand {v.type} ({_loc(op)})")
         return operands
+
+    def conv(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
+        """A convolution over padded dims. Exact: the batch dim of the input and the output
+        features of the kernel (rows never mixed: the padded rows of the result are
+        padding), and the input features contracted with the kernel's input features (both
+        masked to 0, as ``dot_general``'s contraction; this is the kernel gradient, whose
+        contraction runs over the batch). A padded spatial dim would slide the window over
+        the padding, and grouped convolutions mix rows: errors."""
+        lhs_spec, rhs_spec, _ = op.attr("dimension_numbers")
+        groups = (op.attr("feature_group_count", 1), op.attr("batch_group_count", 1))
+        lp, rp = pads[0], pads[1]
+        contracted = lp.get(lhs_spec[1]) or rp.get(rhs_spec[1])
+        ok = {lhs_spec[0], lhs_spec[1]}
+        bad = [(0, a, sym) for a, sym in lp.items() if a not in ok] + \
+              [(1, a, sym) for a, sym in rp.items() if a not in (rhs_spec[0], rhs_spec[1])]
+        if not bad and groups != (1, 1) and (lp or rp):
+            bad = [(i, a, sym) for i, p in enumerate((lp, rp)) for a, sym in p.items()]
+        if bad:
+            i, a, sym = bad[0]
+            what = "a window (spatial) dim" if groups == (1, 1) else \
+                "a grouped convolution's dim"
+            raise PaddingError(
+                f"padding: conv_general_dilated over {what}: axis {a} (dim {sym}) of its "
+                f"{'input' if i == 0 else 'kernel'} {op.operands[i].type} is padded, and the "
+                f"window would run over the padding; keep that dim static "
+                f"(RunOptions(dynamic_dims=...)) ({_loc(op)})")
+        if contracted:
+            operands[0] = self.mask(operands[0], lhs_spec[1], contracted, "0", op)
+            operands[1] = self.mask(operands[1], rhs_spec[1], contracted, "0", op)
+        return operands
+
+    def check_window_op(self, op: Op, pads: list[dict[int, str]]) -> None:
+        """A window op slides along no padded axis: window 1, stride 1, no padding or
+        dilation there (pooling over the spatial dims of a padded batch)."""
+        dims = op.attr("window_dimensions")
+        one = {"window_dimensions": 1, "window_strides": 1, "base_dilation": 1,
+               "window_dilation": 1}
+        for p in pads:
+            for a, sym in p.items():
+                ok = dims is not None and a < len(dims) and all(
+                    (op.attr(k) is None or op.attr(k)[a] == v) for k, v in one.items())
+                pad = op.attr("padding")
+                ok = ok and (pad is None or tuple(pad[a]) == (0, 0))
+                if not ok:
+                    raise PaddingError(
+                        f"padding: {op.name} slides a window along the padded (dynamic) axis "
+                        f"{a} (dim {sym}), so the window would run over the padding; keep "
+                        f"that axis static (RunOptions(dynamic_dims=...)) ({_loc(op)})")
 
     def check_split(self, op: Op, pads: dict[int, str]) -> None:
         """A split over logical devices of a padded axis: its bucket must divide by the
@@ -493,12 +561,16 @@ def _fill(kind: str, dtype: Any) -> Any:
     dtype = np.dtype(dtype)
     if kind.isdigit():  # "0", "1", or an index past the end (pad_mask of scatter indices)
         return np.asarray(int(kind), dtype)
+    high = kind in ("+inf", "highest")
     if dtype == np.bool_:
-        return np.asarray(kind == "+inf")
+        return np.asarray(high)
     if np.issubdtype(dtype, np.integer):
         info = np.iinfo(dtype)
-        return np.asarray(info.max if kind == "+inf" else info.min, dtype)
-    return np.asarray(np.inf if kind == "+inf" else -np.inf, dtype)
+        return np.asarray(info.max if high else info.min, dtype)
+    if kind in ("lowest", "highest"):  # finite
+        info = np.finfo(dtype)
+        return np.asarray(info.max if high else info.min, dtype)
+    return np.asarray(np.inf if high else -np.inf, dtype)
 
 
 @rule("pad_mask")
