@@ -287,3 +287,12 @@ def check_port(port: Port, n: int, oracle: bool, steps: int = STEPS,
 def make_keys(seed: int, n: int) -> list:
     """``n`` distinct PRNG keys (raw uint32 keys, as pmap code splits them)."""
     return list(jax.random.split(jax.random.PRNGKey(seed), n))
+
+
+def mnist_batches(global_batch: int, image: int, seed: int = 0, steps: int = 2) -> list[dict]:
+    """Synthetic MNIST-shaped batches (the flax examples' ``{"image", "label"}``): float
+    images in [0, 1], NHWC with one channel, int32 labels in [0, 10)."""
+    rng = np.random.default_rng(seed)
+    return [{"image": rng.random((global_batch, image, image, 1), dtype=np.float32),
+             "label": rng.integers(0, 10, global_batch).astype(np.int32)}
+            for _ in range(steps)]

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
 
-from tests.clients._harness import REPLICAS, Port, Split, check_port
+from tests.clients._harness import REPLICAS, Port, Split, check_port, mnist_batches
 
 IMAGE = 8          # MNIST is 28; the structure (two stride-2 pools) is the same
 GLOBAL_BATCH = 16
@@ -80,19 +79,11 @@ def create_train_state(rng, learning_rate=0.1, momentum=0.9):
     return train_state.TrainState.create(apply_fn=cnn.apply, params=params, tx=tx)
 
 
-def get_batches(seed=0, steps=2):
-    """Synthetic MNIST-shaped batches: float images in [0, 1], int32 labels."""
-    rng = np.random.default_rng(seed)
-    return [{"image": rng.random((GLOBAL_BATCH, IMAGE, IMAGE, 1), dtype=np.float32),
-             "label": rng.integers(0, 10, GLOBAL_BATCH).astype(np.int32)}
-            for _ in range(steps)]
-
-
 @pytest.mark.parametrize("n", REPLICAS)
 def test_mnist_linen(n):
     # jitted: eager init compiles every op once (seconds); same values
     state = jax.jit(create_train_state)(jax.random.key(0))
-    batches = get_batches()
+    batches = mnist_batches(GLOBAL_BATCH, IMAGE)
     port = Port(step=train_step, state=(state,), inputs=lambda i: ((Split(batches[i]),), {}))
     # no per-replica statistics: the loss and accuracy averaged over replicas are the
     # global batch's, so the global-batch jit is an oracle for the metrics too

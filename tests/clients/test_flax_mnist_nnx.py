@@ -20,12 +20,11 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from tests.clients._harness import REPLICAS, Each, Port, Split, check_port, make_keys
+from tests.clients._harness import REPLICAS, Each, Port, Split, check_port, mnist_batches, make_keys
 
 IMAGE = 8
 GLOBAL_BATCH = 16
@@ -79,13 +78,6 @@ def make_train_step(graphdef):
     return train_step
 
 
-def get_datasets(seed=0, steps=2):
-    rng = np.random.default_rng(seed)
-    return [{"image": rng.random((GLOBAL_BATCH, IMAGE, IMAGE, 1), dtype=np.float32),
-             "label": rng.integers(0, 10, GLOBAL_BATCH).astype(np.int32)}
-            for _ in range(steps)]
-
-
 @pytest.mark.parametrize("n", REPLICAS)
 def test_mnist_nnx(n):
     @nnx.jit  # eager init compiles every op once (seconds); same values
@@ -96,7 +88,7 @@ def test_mnist_nnx(n):
     model, optimizer = create()
     model.train()  # Switch to train mode
     graphdef, state = nnx.split((model, optimizer))
-    batches = get_datasets()
+    batches = mnist_batches(GLOBAL_BATCH, IMAGE)
     keys = make_keys(0, n)
     port = Port(step=make_train_step(graphdef), state=(state,),
                 inputs=lambda i: ((Split(batches[i]), Each(keys)), {}))
