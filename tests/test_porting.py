@@ -229,6 +229,21 @@ def test_flax_batchnorm_with_axis_name_equals_pmap():
                         in_axes=(None, None, 0), rtol=1e-4, atol=1e-5)
 
 
+def test_flax_dynamic_scale_with_axis_name_equals_pmap():
+    """flax's DynamicScale (mixed-precision loss scaling, as the imagenet example uses it
+    with half precision): value_and_grad(axis_name='batch') pmeans the gradients and
+    checks them finite across replicas."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    def step(w, x):
+        dyn = DynamicScale(scale=2.0 ** 8)
+        grad_fn = dyn.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2), axis_name="batch")
+        dyn, is_fin, loss, g = grad_fn(w)
+        return w - 0.1 * g, loss, is_fin, dyn.scale
+
+    assert_same_as_pmap(step, W, X, in_axes=(None, 0))
+
+
 def test_unknown_axis_name_is_a_clear_error():
     def step(x):
         return lax.psum(x, "batchh")   # the typo
