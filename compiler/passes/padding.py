@@ -54,6 +54,7 @@ from compiler.errors import PassError
 from compiler.lower import CALL_LIKE, rule
 from ir import _jax_compat as jc
 from ir.graph import Graph, Op, Opaque, Value
+from ir.jaxpr_import import import_jaxpr
 from ir.types import Replica, SymDim, TensorType
 
 
@@ -73,6 +74,8 @@ REDUCE_RULES: dict[str, tuple[str, str]] = {
 #: the identity of each cumulative op, finite (see ``cumulative_jvp`` in ``masked``)
 _CUM_IDENTITY = {"cumprod": "1", "cummax": "lowest", "cummin": "highest",
                  "cumlogsumexp": "lowest"}
+#: the derivatives of cumulative ops (``jc.cumulative_derivative_primitives``)
+_CUM_DERIVATIVES = frozenset({"cumulative_jvp", "cumulative_vjp"})
 #: window ops: exact when every padded axis has a window of one element (pooling over H, W
 #: of a padded batch), an error otherwise
 WINDOWS = frozenset({"reduce_window", "reduce_window_sum", "reduce_window_max",
@@ -238,6 +241,10 @@ class _Padder:
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
                 f"{sorted(set(s for p in pads for s in p.values()))} cannot be made exact "
                 f"({_loc(op)})")
+        if any_pad and op.name in _CUM_DERIVATIVES and op.attr("reverse") \
+                and self.cumulative_sym(op, pads):
+            self.reverse_cumulative_derivative(op, pads, operands, attrs)
+            return
         if any_pad:
             operands = self.masked(op, pads, operands)
         results = tuple(self.new(r) for r in op.results)
@@ -332,13 +339,13 @@ class _Padder:
                     operands[0] = self.mask(operands[0], la, sym, "0", op)
                     operands[1] = self.mask(operands[1], ra, sym, "0", op)
             return operands
-        if name in ("cumulative_jvp", "cumulative_vjp"):
+        if name in _CUM_DERIVATIVES:
             # the derivative of a cumulative op (jc.cumulative_derivative_primitives): its
             # input at the op's identity (finite: the derivative of max/logaddexp at an
             # infinity is NaN) and the tangent or cotangent at 0 along the padded axis
-            a = op.attr("axis")
-            sym = pads[0].get(a) or pads[1].get(a)
+            sym = self.cumulative_sym(op, pads)
             if sym:
+                a = op.attr("axis")
                 operands[0] = self.mask(operands[0], a, sym, _CUM_IDENTITY[op.attr("kind")], op)
                 operands[1] = self.mask(operands[1], a, sym, "0", op)
             return operands
@@ -371,31 +378,89 @@ class _Padder:
                         f"{a} (dim {sym}) of its operand {v.type} ({_loc(op)})")
         return operands
 
+    @staticmethod
+    def cumulative_sym(op: Op, pads: list[dict[int, str]]) -> str | None:
+        """The padded dim a ``cumulative_jvp``/``cumulative_vjp`` runs along, or None."""
+        a = op.attr("axis")
+        return pads[0].get(a) or pads[1].get(a)
+
+    def reverse_cumulative_derivative(self, op: Op, pads: list[dict[int, str]],
+                                      operands: list[Value], attrs: tuple) -> None:
+        """The derivative of a cumulative op with ``reverse=True`` along a padded axis.
+        Masking alone gives the right values, but JAX's derivative is that of an
+        associative scan, whose tree depends on where the real elements sit: reversed, the
+        padding would come first and shift the tree, and at ties (``cummax`` of equal
+        values) the derivative's split among the tied elements would differ from the
+        unpadded one. So the masked operands are rolled until the real elements end the
+        axis (the padding, now first, ends the reversed scan, as in the forward case), the
+        derivative is taken there, and its result is rolled back."""
+        sym = self.cumulative_sym(op, pads)
+        a = op.attr("axis")
+        x = self.mask(operands[0], a, sym, _CUM_IDENTITY[op.attr("kind")], op)
+        t = self.mask(operands[1], a, sym, "0", op)
+        x, t = (self.roll(v, a, sym, True, op) for v in (x, t))
+        res = self.new(op.result)
+        mid = Value(res.type)
+        self.ops.append(op.replace(operands=(x, t), results=(mid,), attrs=attrs))
+        out = self.roll(mid, a, sym, False, op)
+        self.env[op.result] = out
+
+    def roll(self, x: Value, axis: int, sym: str, to_end: bool, op: Op) -> Value:
+        """``x`` rolled along padded ``axis`` so that its ``n`` real elements end the axis
+        (``to_end``), or back to its start: ``concatenate`` and ``dynamic_slice`` ops,
+        traced from JAX at the bucket's size."""
+        n = self.sizes[sym]
+        size = int(x.type.shape[axis])
+
+        def fn(v, n):
+            start = n if to_end else size - n
+            return lax.dynamic_slice_in_dim(lax.concatenate([v, v], axis), start, size, axis)
+
+        avals = [jax.ShapeDtypeStruct(tuple(v.type.shape), jc.dtype_from_name(v.type.dtype))
+                 for v in (x, n)]
+        g = import_jaxpr(jc.make_jaxpr_from(fn, avals), "roll")
+        env = dict(zip(g.inputs, (x, n)))
+        for o in g.ops:
+            self.ops.append(o.replace(operands=tuple(env.get(v, v) for v in o.operands),
+                                      loc=op.loc))
+        return env.get(g.outputs[0], g.outputs[0])
+
     def conv(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
-        """A convolution over padded dims. Exact: the batch dim of the input and the output
-        features of the kernel (rows never mixed: the padded rows of the result are
-        padding), and the input features contracted with the kernel's input features (both
-        masked to 0, as ``dot_general``'s contraction; this is the kernel gradient, whose
-        contraction runs over the batch). A padded spatial dim would slide the window over
-        the padding, and grouped convolutions mix rows: errors."""
+        """A convolution over padded dims. Exact: the batch dim of the input (rows never
+        mixed: the padded rows of the result are padding; also in a grouped or depthwise
+        convolution, whose groups split the features, not the batch), the output features
+        of an ungrouped kernel, and the input features contracted with the kernel's input
+        features (both masked to 0, as ``dot_general``'s contraction: this is the kernel
+        gradient, whose contraction runs over the batch; JAX writes a grouped kernel's
+        gradient with ``batch_group_count``, which groups the other, unpadded, dim). A
+        padded spatial dim would slide the window over the padding, and a padded dim that
+        the groups split (``batch_group_count`` over the batch, ``feature_group_count`` over
+        the features) would shift the groups: errors."""
         lhs_spec, rhs_spec, _ = op.attr("dimension_numbers")
-        groups = (op.attr("feature_group_count", 1), op.attr("batch_group_count", 1))
+        fgc, bgc = op.attr("feature_group_count") or 1, op.attr("batch_group_count") or 1
         lp, rp = pads[0], pads[1]
-        contracted = lp.get(lhs_spec[1]) or rp.get(rhs_spec[1])
-        ok = {lhs_spec[0], lhs_spec[1]}
-        bad = [(0, a, sym) for a, sym in lp.items() if a not in ok] + \
-              [(1, a, sym) for a, sym in rp.items() if a not in (rhs_spec[0], rhs_spec[1])]
-        if not bad and groups != (1, 1) and (lp or rp):
-            bad = [(i, a, sym) for i, p in enumerate((lp, rp)) for a, sym in p.items()]
+        ok_l = {lhs_spec[0]} if bgc == 1 else set()
+        ok_r = {rhs_spec[0]} if (fgc, bgc) == (1, 1) else set()
+        if fgc == 1:
+            ok_l.add(lhs_spec[1])
+            ok_r.add(rhs_spec[1])
+        bad = [(0, a, sym) for a, sym in lp.items() if a not in ok_l] + \
+              [(1, a, sym) for a, sym in rp.items() if a not in ok_r]
         if bad:
             i, a, sym = bad[0]
-            what = "a window (spatial) dim" if groups == (1, 1) else \
-                "a grouped convolution's dim"
+            spec = (lhs_spec, rhs_spec)[i]
+            if a in spec[:2]:
+                what = (f"a dim that its groups split (feature_group_count={fgc}, "
+                        f"batch_group_count={bgc})")
+                why = "the padding would shift the groups"
+            else:
+                what, why = "a window (spatial) dim", "the window would run over the padding"
             raise PaddingError(
                 f"padding: conv_general_dilated over {what}: axis {a} (dim {sym}) of its "
-                f"{'input' if i == 0 else 'kernel'} {op.operands[i].type} is padded, and the "
-                f"window would run over the padding; keep that dim static "
+                f"{'input' if i == 0 else 'kernel'} {op.operands[i].type} is padded, and "
+                f"{why}; keep that dim static "
                 f"(RunOptions(dynamic_dims=...)) ({_loc(op)})")
+        contracted = lp.get(lhs_spec[1]) or rp.get(rhs_spec[1])
         if contracted:
             operands[0] = self.mask(operands[0], lhs_spec[1], contracted, "0", op)
             operands[1] = self.mask(operands[1], rhs_spec[1], contracted, "0", op)
