@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from compiler.errors import PassError
 from ir.errors import IRError
@@ -62,7 +62,7 @@ class PassManager:
     def run(self, graph: Graph, import_seconds: float = 0.0) -> Graph:
         """Run the pipeline; ``records`` holds ``import`` plus one entry per pass."""
         self.records = [PassRecord("import", import_seconds, graph)]
-        self._verified: dict[int, Graph] = {}  # regions verified once, by identity
+        self._verified: dict[int, Any] = {}  # ops and regions verified once, by identity
         if self.verify:
             self._verify(graph, "import")
         self._dump(0, "import", import_seconds, graph)

@@ -6,11 +6,12 @@ describe; ops without a rule are checked only structurally.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ir import ops
+from ir.ops import ARITY
 from ir.errors import IRVerifyError
 from ir.graph import Graph, Op, RegionRef, Value, map_region_refs
 from ir.printer import print_op_context, value_names
@@ -98,12 +99,13 @@ def _fail(root: Graph, op: Op | None, msg: str, where: str) -> IRVerifyError:
     return IRVerifyError(f"{where}: {msg}\n{print_op_context(root, op, note=msg)}")
 
 
-def verify(graph: Graph, where: str = "verify", seen: dict[int, Graph] | None = None) -> None:
+def verify(graph: Graph, where: str = "verify", seen: dict[int, Any] | None = None) -> None:
     """Check ``graph``; raise :class:`IRVerifyError` naming the first fault.
 
-    ``seen``: regions already verified (by identity), skipped, and filled with those
-    verified now. Graphs are immutable, so a pass that keeps a region keeps it verified:
-    the pass manager verifies only what each pass changed."""
+    ``seen``: ops and regions already verified (by identity), and filled with those
+    verified now. Ops and graphs are immutable, so a pass that keeps an op or a region
+    keeps it verified: the pass manager checks only what each pass changed, plus the
+    SSA order of every op (which the pass may have moved)."""
     _verify(graph, where, (), graph, _LazyNames(graph), None, seen)
 
 
@@ -124,7 +126,7 @@ class _LazyNames:
 
 
 def _verify(graph: Graph, where: str, outer_scopes: tuple[set[Value], ...], root: Graph,
-            names: _LazyNames, owner: Op | None, seen: dict[int, Graph] | None = None) -> None:
+            names: _LazyNames, owner: Op | None, seen: dict[int, Any] | None = None) -> None:
     """``root`` is the top-level graph (messages show its text and its value names);
     ``owner`` is the op whose region ``graph`` is (``None`` at top level)."""
     def name(v: Value) -> str:
@@ -148,41 +150,66 @@ def _verify(graph: Graph, where: str, outer_scopes: tuple[set[Value], ...], root
                 raise _fail(root, op, f"result {j} ({name(r)}) of {op.name} is already defined",
                             where)
             defined.add(r)
-        # (an op without regions is checked for dangling references only by a cheap scan)
-        refs = map_region_refs(op.attrs) if op.regions or _has_ref(op.attrs) else ()
-        if op.regions and sorted(set(refs)) != list(range(len(op.regions))) or \
-                not op.regions and refs:
-            raise _fail(root, op, f"{op.name} has {len(op.regions)} regions but its attributes "
-                                  f"reference {sorted(set(refs))}", where)
-        rule = OP_RULES.get(op.name)
-        msg = rule(op) if rule else None
-        if msg is None and op.name not in _known:
-            if not ops.is_known(op.name):
-                msg = "unknown op (neither one of this project's ops nor a JAX primitive)"
-            else:
-                _known.add(op.name)
-        msg = msg or ops.arity_error(op.name, len(op.operands))
-        if msg:
-            raise _fail(root, op, f"{op.name}: {msg}", where)
-        if op.name not in REPLICA_REDUCING_OPS and not op.regions and any(
-                r.type.replica is Replica.MIRRORED for r in op.results):
-            for j, r in enumerate(op.results):
-                # names only for the message: printing the graph's names costs a walk of it
-                bad = [name(v) for v in op.operands if v.type.replica is Replica.VARYING] \
-                    if r.type.replica is Replica.MIRRORED else []
-                if bad:
-                    raise _fail(root, op, f"{op.name} has varying operand(s) {', '.join(bad)} but "
-                                          f"a mirrored result {name(r)}; only cross-replica "
-                                          "reductions make values mirrored", where)
-        for region in op.regions:
-            if seen is not None and seen.get(id(region)) is region:
-                continue
-            # scopes are a chain (copying the defined set per region is quadratic)
-            _verify(region, f"{where} (region of {op.name})", (defined,) + outer_scopes, root,
-                    names, op, seen)
-            if seen is not None:
-                seen[id(region)] = region  # (kept alive, so its id is not reused)
+        if seen is not None and seen.get(id(op)) is op:
+            # checked before, regions included: an op is immutable (its values and their
+            # types too) and its regions are isolated, so only where it sits (the SSA
+            # checks above) can have changed
+            continue
+        _check_op(op, where, root, names)
+        if op.regions:
+            _verify_regions(op, where, defined, outer_scopes, root, names, seen)
+        if seen is not None:
+            seen[id(op)] = op  # (kept alive, so its id is not reused)
     for i, v in enumerate(graph.outputs):
         if v not in defined:
             what = "the graph" if owner is None else f"the region of {owner.name}"
             raise _fail(root, owner, f"output {i} ({name(v)}) is not defined in {what}", where)
+
+
+def _check_op(op: Op, where: str, root: Graph, names: _LazyNames) -> None:
+    """The checks that depend on ``op`` alone: its region references, its per-op rule,
+    its name and arity, and the replica rule."""
+    # (an op without regions is checked for dangling references only by a cheap scan)
+    if op.regions or _has_ref(op.attrs):
+        refs = sorted(set(map_region_refs(op.attrs)))
+        if refs != list(range(len(op.regions))):
+            raise _fail(root, op, f"{op.name} has {len(op.regions)} regions but its "
+                                  f"attributes reference {refs}", where)
+    name = op.name
+    rule = OP_RULES.get(name)
+    msg = rule(op) if rule else None
+    if msg is None and name not in _known:
+        if not ops.is_known(name):
+            msg = "unknown op (neither one of this project's ops nor a JAX primitive)"
+        else:
+            _known.add(name)
+    want = ARITY.get(name)
+    if msg is None and want is not None and want != len(op.operands):
+        msg = ops.arity_error(name, len(op.operands))
+    if msg:
+        raise _fail(root, op, f"{name}: {msg}", where)
+    if name in REPLICA_REDUCING_OPS or op.regions:
+        return
+    for r in op.results:
+        if r.type.replica is Replica.MIRRORED:
+            # names only for the message: printing the graph's names costs a walk of it
+            bad = [names.get(v, "%<undefined>") for v in op.operands
+                   if v.type.replica is Replica.VARYING]
+            if bad:
+                raise _fail(root, op, f"{name} has varying operand(s) {', '.join(bad)} but "
+                                      f"a mirrored result {names.get(r, '%<undefined>')}; "
+                                      "only cross-replica reductions make values mirrored",
+                            where)
+
+
+def _verify_regions(op: Op, where: str, defined: set[Value],
+                    outer_scopes: tuple[set[Value], ...], root: Graph, names: _LazyNames,
+                    seen: dict[int, Any] | None) -> None:
+    for region in op.regions:
+        if seen is not None and seen.get(id(region)) is region:
+            continue
+        # scopes are a chain (copying the defined set per region is quadratic)
+        _verify(region, f"{where} (region of {op.name})", (defined,) + outer_scopes, root,
+                names, op, seen)
+        if seen is not None:
+            seen[id(region)] = region  # (kept alive, so its id is not reused)

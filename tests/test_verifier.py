@@ -235,6 +235,54 @@ def test_pass_raising_names_the_pass():
         in str(info.value)
 
 
+@dataclass(frozen=True)
+class _SwapPass:
+    """Keeps every op object but swaps the first two: the second reads the first's result."""
+
+    name: str = "swapper"
+
+    def apply(self, graph: Graph) -> Graph:
+        a, b, *rest = graph.ops
+        return graph.replace(ops=(b, a, *rest))
+
+
+def test_kept_ops_are_checked_again_where_they_now_sit():
+    # The pass manager skips the per-op checks of an op it verified before (ops are
+    # immutable), never the SSA order: a pass that moves a kept op is still caught.
+    g = parse("""func @f(%0: f32[4]) {
+  %1: f32[4] = neg(%0)
+  %2: f32[4] = exp(%1)
+  return %2
+}""")
+    with pytest.raises(PassError) as info:
+        PassManager([_SwapPass()]).run(g)
+    msg = str(info.value)
+    assert "after pass 'swapper'" in msg
+    assert re.search(r"operand 0 \(%\d\) of exp is used before it is defined", msg), msg
+
+
+def test_kept_op_in_a_new_region_reading_an_outer_value_is_caught():
+    # A pass wraps a verified op into a new region without passing its operand in.
+    x = Value(T((4,)))
+    a, b = Value(T((4,))), Value(T((4,)))
+    neg = Op("neg", (x,), (a,))
+
+    @dataclass(frozen=True)
+    class _Wrap:
+        name: str = "wrapper"
+
+        def apply(self, graph: Graph) -> Graph:
+            region = Graph((), (neg,), (a,), "region")
+            call = Op("jit", (), (b,), (("jaxpr", RegionRef(0)),), regions=(region,))
+            return Graph((x,), (call,), (b,))
+
+    with pytest.raises(PassError) as info:
+        PassManager([_Wrap()]).run(Graph((x,), (neg,), (a,)))
+    msg = str(info.value)
+    assert "after pass 'wrapper'" in msg
+    assert "(regions are isolated: pass it as an operand)" in msg
+
+
 def test_broken_input_graph_is_caught_at_import():
     g = parse(_GRAPH)
     g = g.replace(outputs=(Value(T((4,))),))
