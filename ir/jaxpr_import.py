@@ -8,6 +8,7 @@ closed-over constants become ``constant`` ops; source lines and name stacks are 
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -46,6 +47,24 @@ def type_of_aval(aval: Any, replica: Replica | None = None) -> TensorType:
     if shape is None:  # tokens and other non-array avals: an identifier the parser reads
         name = type(aval).__name__.lower().removeprefix("abstract")
         return TensorType((), re.sub(r"\W", "_", name) or "opaque")
+    weak = bool(getattr(aval, "weak_type", False))
+    if all(type(d) is int for d in shape):
+        # (types are immutable, so one object serves every value of the same type;
+        # symbolic shapes are not cached: comparing their dims can raise)
+        try:
+            return _static_type(shape, aval.dtype, weak, replica)
+        except TypeError:  # a dtype that does not hash
+            pass
+    return _type(shape, aval.dtype, weak, replica)
+
+
+@functools.lru_cache(maxsize=4096)
+def _static_type(shape: tuple[int, ...], dtype: Any, weak: bool,
+                 replica: Replica | None) -> TensorType:
+    return TensorType(shape, str(dtype), replica, None, weak)
+
+
+def _type(shape: tuple, dtype: Any, weak: bool, replica: Replica | None) -> TensorType:
     dims = []
     for d in shape:
         if isinstance(d, (int, np.integer)):
@@ -53,7 +72,7 @@ def type_of_aval(aval: Any, replica: Replica | None = None) -> TensorType:
         else:  # a symbolic dimension from jax.export.symbolic_shape
             name = sym_dim_name(str(d))
             dims.append(SymDim(name, expr=None if name == str(d) else str(d)))
-    return TensorType(tuple(dims), str(aval.dtype), replica, None, bool(getattr(aval, "weak_type", False)))
+    return TensorType(tuple(dims), str(dtype), replica, None, weak)
 
 
 class _Importer:
