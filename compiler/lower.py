@@ -130,6 +130,88 @@ for _name in CALL_LIKE:
     LOWERING_RULES[_name] = _inline
 
 
+# -- nested ``jit`` calls: one function per distinct region ----------------------------
+#: the functions of ``jit`` regions already lowered in the graph being lowered, by the
+#: region's key (:func:`region_key`); set by ``build_jitted`` for one lowering
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shared", default=None)
+
+
+class _Unkeyable(Exception):
+    """An attribute whose value cannot be keyed exactly: its call is inlined instead."""
+
+
+def _attr_key(v: Any) -> Any:
+    """``v`` as a hashable key equal only for values that mean the same: arrays by their
+    bytes, floats by their bits (``0.0`` and ``-0.0`` differ), scalars with their type
+    (``True`` and ``1`` differ), opaque objects and anything else by identity."""
+    if v is None or isinstance(v, (str, RegionRef)):
+        return v
+    if isinstance(v, (bool, int, np.integer)):
+        return (type(v).__name__, int(v))
+    if isinstance(v, (float, np.floating)):
+        return ("float", type(v).__name__, float(v).hex())
+    if isinstance(v, np.ndarray):
+        if v.dtype == object:
+            raise _Unkeyable
+        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
+    if isinstance(v, Opaque):
+        return ("opaque", v.text, id(v.obj))
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__,) + tuple(_attr_key(x) for x in v)
+    if isinstance(v, np.dtype):
+        return ("dtype", v.str)
+    return ("object", type(v).__name__, id(v))  # the same object means the same thing
+
+
+def _graph_key(g: Graph) -> tuple:
+    ids: dict[Any, int] = {v: i for i, v in enumerate(g.inputs)}
+    parts: list[Any] = [tuple(v.type for v in g.inputs)]
+    for op in g.ops:
+        operands = tuple(ids[v] for v in op.operands)
+        for r in op.results:
+            ids[r] = len(ids)
+        parts.append((op.name, id(op.impl), operands, tuple(r.type for r in op.results),
+                      op.loc, tuple((k, _attr_key(v)) for k, v in op.attrs),
+                      tuple(_graph_key(r) for r in op.regions)))
+    parts.append(tuple(ids[v] for v in g.outputs))
+    return tuple(parts)
+
+
+def region_key(op: Op) -> tuple | None:
+    """A key equal for two ``jit`` ops exactly when lowering their regions gives the same
+    program, locations included (they name the HLO's ``op_name`` metadata); ``None``
+    when an attribute cannot be keyed exactly (the call is then inlined)."""
+    try:
+        key = (op.loc, _graph_key(op.regions[0]))
+        hash(key)
+    except (_Unkeyable, TypeError, KeyError):
+        return None
+    return key
+
+
+def _call(op: Op, args: list[Any]) -> list[Any]:
+    """A ``jit`` op (a function of JAX's or the user's, ``jnp.var``'s ``_var``): lowered
+    as a nested ``jax.jit`` call, one per distinct region, so that JAX traces and lowers
+    each function once, as ``jax.jit`` of the user's step does (a 32-layer step calls
+    ``_var`` 64 times), and XLA inlines the calls; inlined when unkeyable or outside
+    ``build_jitted``."""
+    shared = _SHARED.get()
+    key = region_key(op) if shared is not None else None
+    if key is None:
+        return _inline(op, args)
+    fn = shared.get(key)
+    if fn is None:
+        region = op.regions[0]
+        fn = shared[key] = jax.jit(lambda *xs: tuple(eval_graph(region, list(xs))))
+    if len(op.regions[0].inputs) != len(args):
+        return _inline(op, args)  # (its error names the op)
+    return list(fn(*args))
+
+
+for _name in ("jit", "pjit"):
+    LOWERING_RULES[_name] = _call
+
+
 def _rebuild(ref: RegionRef, op: Op) -> Any:
     region = op.regions[ref.index]
     avals = [jax.ShapeDtypeStruct(v.type.shape, jc.dtype_from_name(v.type.dtype),
@@ -214,10 +296,11 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
 
     def body(*xs):
         args = [x.reshape(()) if v and r == 0 else x for x, v, r in zip(xs, in_varying, in_ranks)]
-        token = _PLATFORM.set(platform)
+        token, shared = _PLATFORM.set(platform), _SHARED.set({})
         try:
             outs = eval_graph(graph, args)
         finally:
+            _SHARED.reset(shared)
             _PLATFORM.reset(token)
         return tuple(o.reshape((1,)) if v and r == 0 else o
                      for o, v, r in zip(outs, out_varying, out_ranks))

@@ -1,0 +1,96 @@
+"""Lowering of nested ``jit`` calls (``compiler/lower.py``: ``_call``): each distinct
+region becomes one function of the StableHLO module, called from every site, as
+``jax.jit`` of the user's step does, and two calls share a function only when their
+regions mean exactly the same thing (constants by their bits, ``-0.0`` apart from
+``0.0``). Oracle: ``jax.jit`` of the same per-replica function on each replica's data."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import runtime as rt
+from compiler.lower import region_key
+
+
+def _funcs(text: str) -> int:
+    return len(re.findall(r"func\.func ", text))
+
+
+def _norm(x):
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def _layers(x):
+    for _ in range(4):  # jnp.var's ``_var`` (a jit) called 4 times from one line
+        x = jnp.tanh(_norm(x) @ jnp.ones((x.shape[-1], x.shape[-1]), x.dtype) * 0.1)
+    return x.sum()
+
+
+def test_repeated_jit_lowers_to_one_function_each_as_jax_jit_does():
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
+    step = rt.replicate(_layers, num_replicas=2)
+    ours = step.lower(rt.PerReplica(xs)).as_text()
+    ref = jax.jit(_layers).lower(xs[0]).as_text()
+    assert _funcs(ref) > 1  # the check below means something only if jit shares functions
+    assert _funcs(ours) == _funcs(ref)
+    assert ours.count("call @") == ref.count("call @") >= 4
+    out = step(rt.PerReplica(xs))
+    for r, x in enumerate(xs):
+        np.testing.assert_allclose(np.asarray(out.values[r]), np.asarray(jax.jit(_layers)(x)),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def _const_fn(c):
+    return jax.jit(lambda x: x * c)  # one line for every c: equal locations
+
+
+_CONSTS = [0.0, -0.0, 1.0, np.float32(2.5), np.arange(4, dtype=np.float32),
+           np.arange(4, dtype=np.float32)[::-1].copy(), 0.0]
+_FNS = [_const_fn(c) for c in _CONSTS]
+
+
+def _calls_with_constants(x):
+    return tuple(f(x) for f in _FNS)  # one call line: only the constants tell them apart
+
+
+def test_jit_calls_differing_only_in_a_constant_are_not_merged():
+    x = np.ones((4,), np.float32)
+    step = rt.replicate(_calls_with_constants, num_replicas=2)
+    out = step(rt.PerReplica([x, 2 * x]))
+    want = jax.jit(_calls_with_constants)(x)
+    assert len(out) == len(want) == len(_CONSTS)
+    for i, (got, ref) in enumerate(zip(out, want)):
+        got = np.asarray(got.values[0])
+        np.testing.assert_array_equal(got, np.asarray(ref), err_msg=f"call {i}")
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(np.asarray(ref)), err_msg=f"call {i}")
+
+
+def test_region_key_is_exact():
+    graph = rt.replicate(_calls_with_constants, num_replicas=2).lower(
+        rt.PerReplica([np.ones((4,), np.float32)] * 2)).ir()
+    keys = [region_key(op) for op in graph.ops if op.name in ("jit", "pjit")]
+    assert len(keys) == len(_CONSTS) and None not in keys
+    # 0.0 twice (the first and the last) share; -0.0, 1.0, 2.5 and the two arrays do not
+    assert keys[0] == keys[-1]
+    assert len(set(keys)) == len(_CONSTS) - 1
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["K1", "K2"])
+def test_shared_jit_under_logical_devices_and_gradients(k):
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(5, 4)).astype(np.float32)
+    xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
+
+    def loss(w, x):
+        h = _norm(x @ w)
+        return jnp.mean(_norm(h * 2.0) ** 2) + jnp.mean(h ** 2)
+
+    step = rt.replicate(lambda w, x: jax.grad(loss)(w, x), num_replicas=2, logical_devices=k)
+    got = np.asarray(step(w, rt.PerReplica(xs)))
+    want = np.asarray(jax.jit(jax.grad(loss))(w, np.concatenate(xs)))  # loss_reduction='mean'
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
