@@ -130,10 +130,30 @@ for _name in CALL_LIKE:
     LOWERING_RULES[_name] = _inline
 
 
-# -- nested ``jit`` calls: one function per distinct region ----------------------------
-#: the functions of ``jit`` regions already lowered in the graph being lowered, by the
-#: region's key (:func:`region_key`); set by ``build_jitted`` for one lowering
-_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shared", default=None)
+# -- nested ``jit`` calls: one function per region called more than once ---------------
+class _Sharing:
+    """The ``jit`` regions of one graph being lowered: each op's region key, how often
+    each key is called, and the nested ``jax.jit`` function of each shared key."""
+
+    def __init__(self, graph: Graph):
+        self.keys: dict[int, RegionKey | None] = {}  # by id(op): ops live as long as the graph
+        self.calls: dict[RegionKey, int] = {}
+        self.fns: dict[RegionKey, Any] = {}
+        self._count(graph)
+
+    def _count(self, graph: Graph) -> None:
+        for op in graph.ops:
+            if op.name in _SHARABLE:
+                key = self.keys[id(op)] = region_key(op)
+                if key is not None:
+                    self.calls[key] = self.calls.get(key, 0) + 1
+            for region in op.regions:
+                self._count(region)
+
+
+#: the sharing state of the graph ``build_jitted`` is lowering (``None`` outside it)
+_SHARED: contextvars.ContextVar[_Sharing | None] = contextvars.ContextVar("shared", default=None)
+_SHARABLE = ("jit", "pjit")
 
 
 class _Unkeyable(Exception):
@@ -177,38 +197,51 @@ def _graph_key(g: Graph) -> tuple:
     return tuple(parts)
 
 
-def region_key(op: Op) -> tuple | None:
+class RegionKey:
+    """A region's exact key (:func:`region_key`) with its hash computed once: the key is
+    a deep tuple, and a tuple hashes all of itself again at every dict look-up."""
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple):
+        self.parts, self._hash = parts, hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, RegionKey) and self._hash == other._hash
+                and self.parts == other.parts)
+
+
+def region_key(op: Op) -> RegionKey | None:
     """A key equal for two ``jit`` ops exactly when lowering their regions gives the same
     program, locations included (they name the HLO's ``op_name`` metadata); ``None``
     when an attribute cannot be keyed exactly (the call is then inlined)."""
     try:
-        key = (op.loc, _graph_key(op.regions[0]))
-        hash(key)
+        return RegionKey((op.loc, _graph_key(op.regions[0])))
     except (_Unkeyable, TypeError, KeyError):
         return None
-    return key
 
 
 def _call(op: Op, args: list[Any]) -> list[Any]:
-    """A ``jit`` op (a function of JAX's or the user's, ``jnp.var``'s ``_var``): lowered
-    as a nested ``jax.jit`` call, one per distinct region, so that JAX traces and lowers
-    each function once, as ``jax.jit`` of the user's step does (a 32-layer step calls
-    ``_var`` 64 times), and XLA inlines the calls; inlined when unkeyable or outside
-    ``build_jitted``."""
-    shared = _SHARED.get()
-    key = region_key(op) if shared is not None else None
-    if key is None:
-        return _inline(op, args)
-    fn = shared.get(key)
+    """A ``jit`` op (a function of JAX's or the user's, ``jnp.var``'s ``_var``) whose
+    exact region is called more than once in the graph: lowered as a nested ``jax.jit``
+    call, one function per region, so that JAX traces and lowers it once, as ``jax.jit``
+    of the user's step does (a 32-layer step calls ``_var`` 64 times), and XLA inlines
+    the calls. Inlined when called once (a nested jit costs more than it saves), when
+    its region cannot be keyed exactly, or outside ``build_jitted``."""
+    sharing = _SHARED.get()
+    key = sharing.keys.get(id(op)) if sharing is not None else None
+    if key is None or sharing.calls[key] < 2 or len(op.regions[0].inputs) != len(args):
+        return _inline(op, args)  # (a wrong operand count: its error names the op)
+    fn = sharing.fns.get(key)
     if fn is None:
         region = op.regions[0]
-        fn = shared[key] = jax.jit(lambda *xs: tuple(eval_graph(region, list(xs))))
-    if len(op.regions[0].inputs) != len(args):
-        return _inline(op, args)  # (its error names the op)
+        fn = sharing.fns[key] = jax.jit(lambda *xs: tuple(eval_graph(region, list(xs))))
     return list(fn(*args))
 
 
-for _name in ("jit", "pjit"):
+for _name in _SHARABLE:
     LOWERING_RULES[_name] = _call
 
 
@@ -296,7 +329,7 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
 
     def body(*xs):
         args = [x.reshape(()) if v and r == 0 else x for x, v, r in zip(xs, in_varying, in_ranks)]
-        token, shared = _PLATFORM.set(platform), _SHARED.set({})
+        token, shared = _PLATFORM.set(platform), _SHARED.set(_Sharing(graph))
         try:
             outs = eval_graph(graph, args)
         finally:

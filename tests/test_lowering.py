@@ -94,3 +94,15 @@ def test_shared_jit_under_logical_devices_and_gradients(k):
     got = np.asarray(step(w, rt.PerReplica(xs)))
     want = np.asarray(jax.jit(jax.grad(loss))(w, np.concatenate(xs)))  # loss_reduction='mean'
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _one_var(x):
+    return _norm(x).sum()  # one ``_var`` call
+
+
+def test_jit_called_once_is_inlined():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    step = rt.replicate(_one_var, num_replicas=2)
+    assert _funcs(step.lower(rt.PerReplica([x, x])).as_text()) == 1  # main only
+    out = step(rt.PerReplica([x, x + 1]))
+    np.testing.assert_allclose(np.asarray(out.values[1]), np.asarray(jax.jit(_one_var)(x + 1)), atol=1e-5)
