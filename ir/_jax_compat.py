@@ -245,19 +245,39 @@ def key_array_parts(x: Any) -> tuple[np.ndarray, Any, Primitive]:
     return np.asarray(jax.random.key_data(x)), x.dtype._impl, prng.random_wrap_p
 
 
-_PRIMITIVES: dict[str, Primitive] | None = None
+_PRIMITIVES: dict[str, Primitive] = {}
+
+
+def _lowered_primitives() -> dict[str, Primitive]:
+    """The primitives that have a lowering rule (every one that can reach XLA), by name:
+    read from JAX's lowering registry (a dict of a few hundred entries)."""
+    from jax._src.interpreters import mlir
+    found: dict[str, Primitive] = {}
+    tables = [getattr(mlir, "_lowerings", {})]
+    tables += list(getattr(mlir, "_platform_specific_lowerings", {}).values())
+    for table in tables:
+        for prim in table:
+            if isinstance(prim, Primitive):
+                found.setdefault(prim.name, prim)
+    return found
 
 
 def primitive_by_name(name: str) -> Primitive | None:
-    """Find a JAX primitive by name (for graphs parsed from text)."""
-    global _PRIMITIVES
-    if _PRIMITIVES is None:
+    """Find a JAX primitive by name (for graphs parsed from text, and the verifier's
+    check that an op is known). JAX's lowering registry first; a name not there (a
+    primitive without a lowering rule) is looked for among all live objects, which
+    costs ~30 ms: a first compile paid that for every process when it came first."""
+    prim = _PRIMITIVES.get(name)
+    if prim is None:
+        _PRIMITIVES.update({k: v for k, v in _lowered_primitives().items() if k not in _PRIMITIVES})
+        prim = _PRIMITIVES.get(name)
+    if prim is None:
         import gc
-        _PRIMITIVES = {}
         for obj in gc.get_objects():
             if isinstance(obj, Primitive):
                 _PRIMITIVES.setdefault(obj.name, obj)
-    return _PRIMITIVES.get(name)
+        prim = _PRIMITIVES.get(name)
+    return prim
 
 
 def make_jaxpr_from(fn, avals: list[Any]) -> ClosedJaxpr:

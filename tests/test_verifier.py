@@ -366,3 +366,12 @@ def test_a_splat_constant_the_verifier_accepts_also_lowers():
     g = Graph((), (Op("constant", (), (v,), (("value", np.float32(2.0)),)),), (v,))
     verify(g)
     np.testing.assert_array_equal(jax.jit(lambda: eval_graph(g, [])[0])(), np.full((2, 3), 2.0))
+
+
+@pytest.mark.parametrize("name", ["select_n", "gather", "scatter-add", "random_wrap", "custom_lin"])
+def test_primitive_by_name_finds_lowered_and_unlowered_primitives(name):
+    # custom_lin has no lowering rule: found by the scan of live objects, not the registry
+    from ir import _jax_compat as jc
+    prim = jc.primitive_by_name(name)
+    assert prim is not None and prim.name == name
+    assert jc.primitive_by_name("no_such_primitive") is None
