@@ -106,3 +106,30 @@ def test_jit_called_once_is_inlined():
     assert _funcs(step.lower(rt.PerReplica([x, x])).as_text()) == 1  # main only
     out = step(rt.PerReplica([x, x + 1]))
     np.testing.assert_allclose(np.asarray(out.values[1]), np.asarray(jax.jit(_one_var)(x + 1)), atol=1e-5)
+
+
+_SEEN: list[float] = []
+
+
+@jax.jit
+def _logged_double(x):
+    jax.debug.callback(lambda v: _SEEN.append(float(v.sum())), x)
+    return x * 2
+
+
+def _two_logged_calls(x):
+    return _logged_double(x) + _logged_double(x + 1)  # one line: one shared function
+
+
+def test_shared_function_runs_its_callback_at_every_call_site():
+    step = rt.replicate(_two_logged_calls, num_replicas=2)
+    xs = [np.ones(3, np.float32), np.zeros(3, np.float32)]
+    want = [np.asarray(jax.jit(_two_logged_calls)(x)) for x in xs]
+    assert _funcs(step.lower(rt.PerReplica(xs)).as_text()) == 2  # main and the shared one
+    jax.effects_barrier()
+    _SEEN.clear()
+    out = step(rt.PerReplica(xs))
+    jax.effects_barrier()
+    for r in range(len(xs)):
+        np.testing.assert_array_equal(np.asarray(out.values[r]), want[r])
+    assert sorted(_SEEN) == [0.0, 3.0, 3.0, 6.0]  # x.sum() and (x + 1).sum() per replica
