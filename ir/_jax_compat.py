@@ -17,7 +17,7 @@ import contextlib
 import functools
 import contextvars
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -248,36 +248,32 @@ def key_array_parts(x: Any) -> tuple[np.ndarray, Any, Primitive]:
 _PRIMITIVES: dict[str, Primitive] = {}
 
 
-def _lowered_primitives() -> dict[str, Primitive]:
-    """The primitives that have a lowering rule (every one that can reach XLA), by name:
-    read from JAX's lowering registry (a dict of a few hundred entries)."""
+def _lowered_primitives() -> Iterator[Primitive]:
+    """The primitives that have a lowering rule (every one that can reach XLA): JAX's
+    lowering registry, a dict of a few hundred entries."""
     from jax._src.interpreters import mlir
-    found: dict[str, Primitive] = {}
-    tables = [getattr(mlir, "_lowerings", {})]
-    tables += list(getattr(mlir, "_platform_specific_lowerings", {}).values())
-    for table in tables:
-        for prim in table:
-            if isinstance(prim, Primitive):
-                found.setdefault(prim.name, prim)
-    return found
+    tables = [getattr(mlir, "_lowerings", {}),
+              *getattr(mlir, "_platform_specific_lowerings", {}).values()]
+    return (p for table in tables for p in table if isinstance(p, Primitive))
+
+
+def _live_primitives() -> Iterator[Primitive]:
+    """Every primitive object alive in the process (~30 ms: a walk of all objects)."""
+    import gc
+    return (obj for obj in gc.get_objects() if isinstance(obj, Primitive))
 
 
 def primitive_by_name(name: str) -> Primitive | None:
     """Find a JAX primitive by name (for graphs parsed from text, and the verifier's
     check that an op is known). JAX's lowering registry first; a name not there (a
-    primitive without a lowering rule) is looked for among all live objects, which
-    costs ~30 ms: a first compile paid that for every process when it came first."""
-    prim = _PRIMITIVES.get(name)
-    if prim is None:
-        _PRIMITIVES.update({k: v for k, v in _lowered_primitives().items() if k not in _PRIMITIVES})
-        prim = _PRIMITIVES.get(name)
-    if prim is None:
-        import gc
-        for obj in gc.get_objects():
-            if isinstance(obj, Primitive):
-                _PRIMITIVES.setdefault(obj.name, obj)
-        prim = _PRIMITIVES.get(name)
-    return prim
+    primitive without a lowering rule) is looked for among all live objects, which a
+    first compile used to pay for in every process."""
+    for source in (_lowered_primitives, _live_primitives):
+        if name in _PRIMITIVES:
+            break
+        for prim in source():
+            _PRIMITIVES.setdefault(prim.name, prim)
+    return _PRIMITIVES.get(name)
 
 
 def make_jaxpr_from(fn, avals: list[Any]) -> ClosedJaxpr:
@@ -783,6 +779,15 @@ def _align_varying(*xs: Any) -> list:
     return out
 
 
+class CumulativeDerivativeTwice(NotImplementedError):
+    """A derivative of ``cumulative_jvp`` or ``cumulative_vjp`` (``op``): a second
+    derivative of a cumulative op traced with dynamic dims, which they do not have."""
+
+    def __init__(self, op: str):
+        super().__init__(f"Differentiation rule for {op!r} not implemented")
+        self.op = op
+
+
 def cumulative_derivative_primitives() -> tuple[Primitive, Primitive]:
     """``(cumulative_jvp, cumulative_vjp)``, defined once (see the comment above)."""
     if _CUM_PRIMS:
@@ -809,6 +814,10 @@ def cumulative_derivative_primitives() -> tuple[Primitive, Primitive]:
             return _p.bind(*moved, kind=kind, axis=axis + 1, reverse=reverse), 0
         batching.primitive_batchers[p] = batch
 
+        def no_jvp(primals, tangents, *, _name=p.name, **params):
+            raise CumulativeDerivativeTwice(_name)
+        ad.primitive_jvps[p] = no_jvp
+
     def jvp_transpose(ct, x, t, *, kind, axis, reverse):
         if type(ct) is ad.Zero:
             return [None, ad.Zero(t.aval)]
@@ -824,8 +833,7 @@ def cumulative_derivative_primitives() -> tuple[Primitive, Primitive]:
     ad.primitive_transposes[jvp_p] = jvp_transpose
     ad.primitive_transposes[vjp_p] = vjp_transpose
     _CUM_PRIMS.update(jvp=jvp_p, vjp=vjp_p)
-    if _PRIMITIVES is not None:
-        _PRIMITIVES.update({jvp_p.name: jvp_p, vjp_p.name: vjp_p})
+    _PRIMITIVES.update({jvp_p.name: jvp_p, vjp_p.name: vjp_p})
     return jvp_p, vjp_p
 
 

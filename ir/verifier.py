@@ -11,7 +11,6 @@ from typing import Any, Callable
 import numpy as np
 
 from ir import ops
-from ir.ops import ARITY
 from ir.errors import IRVerifyError
 from ir.graph import Graph, Op, RegionRef, Value, map_region_refs
 from ir.printer import print_op_context, value_names
@@ -183,9 +182,7 @@ def _check_op(op: Op, where: str, root: Graph, names: _LazyNames) -> None:
             msg = "unknown op (neither one of this project's ops nor a JAX primitive)"
         else:
             _known.add(name)
-    want = ARITY.get(name)
-    if msg is None and want is not None and want != len(op.operands):
-        msg = ops.arity_error(name, len(op.operands))
+    msg = msg or ops.arity_error(name, len(op.operands))
     if msg:
         raise _fail(root, op, f"{name}: {msg}", where)
     if name in REPLICA_REDUCING_OPS or op.regions:

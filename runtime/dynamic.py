@@ -443,9 +443,7 @@ class DynamicPath:
                                             axis_name=rep.axis_name)
         except jax.errors.InconclusiveDimensionOperation as e:
             raise _inconclusive(e, name, syms, bounds) from e
-        except NotImplementedError as e:
-            if "'cumulative_jvp'" not in str(e) and "'cumulative_vjp'" not in str(e):
-                raise
+        except jc.CumulativeDerivativeTwice as e:
             raise _cumulative_twice(e, name, syms) from e
         except TypeError as e:
             # JAX code that needs a concrete size (jnp.convolve, np.zeros(x.shape[0]), a
@@ -638,16 +636,16 @@ def _inconclusive(e: Exception, name: str, syms: tuple, bounds: dict) -> ValueEr
         f"depend on how a dynamic size compares with a number: {todo}")
 
 
-def _cumulative_twice(e: Exception, name: str, syms: tuple) -> NotImplementedError:
+def _cumulative_twice(e: jc.CumulativeDerivativeTwice, name: str,
+                      syms: tuple) -> NotImplementedError:
     """A derivative of the derivative of a cumulative op, traced with dynamic dims: its
     first derivative is an opaque op evaluated at the bucket's size (JAX's own rule needs
     a constant size), which has no derivative rule of its own."""
     where = jc.user_location_of_exception(e)
     at = f" at {os.path.basename(where[0])}:{where[1]}" if where else ""
-    op = "cumulative_jvp" if "'cumulative_jvp'" in str(e) else "cumulative_vjp"
     return NotImplementedError(
         f"dynamic shapes: tracing {name}{at} with dynamic dims ({', '.join(syms)}) "
-        f"differentiates the derivative of cumprod, cummax, cummin or cumlogsumexp ({op}: "
+        f"differentiates the derivative of cumprod, cummax, cummin or cumlogsumexp ({e.op}: "
         f"jax.hessian, jax.grad of jax.grad, jax.grad of jax.jvp); with dynamic shapes their "
         f"first derivative is evaluated at the bucket's size and has no derivative of its "
         f"own: take one derivative of the cumulative op, or run this step without "

@@ -241,12 +241,11 @@ class _Padder:
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
                 f"{sorted(set(s for p in pads for s in p.values()))} cannot be made exact "
                 f"({_loc(op)})")
-        if any_pad and op.name in _CUM_DERIVATIVES and op.attr("reverse") \
-                and self.cumulative_sym(op, pads):
-            self.reverse_cumulative_derivative(op, pads, operands, attrs)
-            return
         if any_pad:
             operands = self.masked(op, pads, operands)
+            if op.name in _CUM_DERIVATIVES and op.attr("reverse") and self.cumulative_sym(op, pads):
+                self.reverse_cumulative_derivative(op, pads, operands, attrs)
+                return
         results = tuple(self.new(r) for r in op.results)
         self.ops.append(op.replace(operands=tuple(operands), results=results, attrs=attrs))
 
@@ -393,12 +392,10 @@ class _Padder:
         values) the derivative's split among the tied elements would differ from the
         unpadded one. So the masked operands are rolled until the real elements end the
         axis (the padding, now first, ends the reversed scan, as in the forward case), the
-        derivative is taken there, and its result is rolled back."""
-        sym = self.cumulative_sym(op, pads)
-        a = op.attr("axis")
-        x = self.mask(operands[0], a, sym, _CUM_IDENTITY[op.attr("kind")], op)
-        t = self.mask(operands[1], a, sym, "0", op)
-        x, t = (self.roll(v, a, sym, True, op) for v in (x, t))
+        derivative is taken there, and its result is rolled back. ``operands``: already
+        masked (:meth:`masked`)."""
+        sym, a = self.cumulative_sym(op, pads), op.attr("axis")
+        x, t = (self.roll(v, a, sym, True, op) for v in operands)
         res = self.new(op.result)
         mid = Value(res.type)
         self.ops.append(op.replace(operands=(x, t), results=(mid,), attrs=attrs))
