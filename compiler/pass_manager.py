@@ -1,5 +1,5 @@
-"""The pass manager: runs named passes in order, verifies after each, times each, and
-dumps ``NN-<pass>.txt`` per pass when asked.
+"""The pass manager: runs named passes in order, verifies (after each pass, or once at the
+end), times each, and dumps ``NN-<pass>.txt`` per pass when asked.
 
 A pass is an object with a ``name`` and ``apply(graph) -> graph`` (see ``compiler.passes``).
 Pipelines can be given as strings: ``"replication,cross-replica-sum,dce"``.
@@ -17,6 +17,8 @@ from ir.graph import Graph
 from ir.verifier import verify
 
 DUMP_ENV = "RT_DUMP_DIR"
+#: what ``PassManager(verify=...)`` and ``RunOptions(verify=...)`` accept
+VERIFY_MODES = (True, False, "each", "end")
 
 
 class Pass(Protocol):
@@ -41,7 +43,11 @@ class PassRecord:
 class PassManager:
     """Runs ``passes`` in order on a graph.
 
-    verify: run the verifier after every pass (default on; tests keep it on).
+    verify: ``True`` or ``"each"``: run the verifier on the imported graph and after every
+    pass (tests keep it so). ``"end"``: once, on the pipeline's result; if that fails, the
+    pipeline runs again from the imported graph verifying after every pass, so the error
+    names the first pass that broke the graph just as ``"each"`` does (passes are pure
+    functions of their graph). ``False``: never.
     dump_dir: write ``NN-<pass>.txt`` after each pass; defaults to ``$RT_DUMP_DIR``.
     keep: keep the graph after every pass in ``records`` (for ``Lowered.ir(after=...)``);
     when ``False`` only the last one is kept, so the others are freed as soon as the next
@@ -50,7 +56,7 @@ class PassManager:
     """
 
     passes: Sequence[Pass]
-    verify: bool = True
+    verify: bool | str = True
     dump_dir: str | None = None
     records: list[PassRecord] = field(default_factory=list)
     keep: bool = True
@@ -58,12 +64,32 @@ class PassManager:
     def __post_init__(self) -> None:
         if self.dump_dir is None:
             self.dump_dir = os.environ.get(DUMP_ENV) or None
+        if self.verify not in VERIFY_MODES:
+            raise PassError(f"PassManager: verify must be one of "
+                            f"{', '.join(map(repr, VERIFY_MODES))}, got {self.verify!r}")
 
     def run(self, graph: Graph, import_seconds: float = 0.0) -> Graph:
         """Run the pipeline; ``records`` holds ``import`` plus one entry per pass."""
+        if self.verify != "end":
+            return self._run(graph, import_seconds, self.verify is True or self.verify == "each")
+        try:
+            result = self._run(graph, import_seconds, False)
+            verify(result, where="after the pipeline", seen={})
+            return result
+        except Exception as e:  # noqa: BLE001  (a pass may also trip on a graph broken earlier)
+            # find the pass that broke it: run again verifying after every pass, which
+            # raises the error "each" would have raised (the same one, when a pass raised)
+            self._run(graph, import_seconds, True)
+            if not isinstance(e, IRError):
+                raise
+            ran = ", ".join(r.name for r in self.records)
+            raise PassError(f"verifier failed after the pipeline (passes that ran: {ran}), "
+                            f"though not after any one pass run again: {e}") from e
+
+    def _run(self, graph: Graph, import_seconds: float, each: bool) -> Graph:
         self.records = [PassRecord("import", import_seconds, graph)]
         self._verified: dict[int, Any] = {}  # ops and regions verified once, by identity
-        if self.verify:
+        if each:
             self._verify(graph, "import")
         self._dump(0, "import", import_seconds, graph)
         for i, p in enumerate(self.passes, start=1):
@@ -76,7 +102,7 @@ class PassManager:
                 # errors about the user's input keep their type (ShardingError is a ValueError)
                 raise (type(e)(msg) if isinstance(e, ValueError) else PassError(msg)) from e
             dt = time.perf_counter() - t0
-            if self.verify:
+            if each:
                 self._verify(graph, p.name)
             if not self.keep:
                 last = self.records[-1]

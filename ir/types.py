@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from ir.errors import IRTypeError
 
+_new, _set = object.__new__, object.__setattr__
+
 # XLA's short dtype names, used in the text form (``f32[8,4]``).
 _SHORT = {
     "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
@@ -174,10 +176,25 @@ class TensorType:
         return all(isinstance(d, int) for d in self.shape)
 
     def with_replica(self, replica: Replica | None) -> TensorType:
-        return TensorType(self.shape, self.dtype, replica, self.sharding, self.weak_type)
+        if replica is not None and not isinstance(replica, Replica):
+            raise IRTypeError(f"replica must be a Replica or None, got {replica!r}")
+        return self._derived(replica, self.sharding)
 
     def with_sharding(self, sharding: Sharding | None) -> TensorType:
-        return TensorType(self.shape, self.dtype, self.replica, sharding, self.weak_type)
+        if sharding is not None and not isinstance(sharding, Sharding):
+            raise IRTypeError(f"sharding must be a Sharding or None, got {sharding!r}")
+        return self._derived(self.replica, sharding)
+
+    def _derived(self, replica: Replica | None, sharding: Sharding | None) -> TensorType:
+        """This type with another replica variance or sharding, without re-checking the
+        shape and dtype ``__post_init__`` checked (passes retype every value)."""
+        t = _new(TensorType)
+        _set(t, "shape", self.shape)
+        _set(t, "dtype", self.dtype)
+        _set(t, "replica", replica)
+        _set(t, "sharding", sharding)
+        _set(t, "weak_type", self.weak_type)
+        return t
 
     def same_shape_dtype(self, other: TensorType) -> bool:
         return self.shape == other.shape and self.dtype == other.dtype

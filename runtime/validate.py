@@ -122,11 +122,19 @@ def hashable_static(v: Any, what: str) -> Any:
     return v
 
 
+def _env_verify() -> str:
+    import os
+    return os.environ.get("RT_VERIFY", "").strip().lower()
+
+
 def run_options(o: Any) -> None:
     """The fields of ``RunOptions`` (the dynamic-shape ones in ``runtime.dynamic``)."""
     where = "RunOptions"
     flag(where, "dynamic_shapes", o.dynamic_shapes)
-    flag(where, "verify", o.verify)
+    if not (isinstance(o.verify, (bool, np.bool_)) or o.verify in ("each", "end")):
+        raise TypeError(f"{where}: verify must be True, False, 'each' or 'end', got "
+                        f"{o.verify!r} ({type(o.verify).__name__})"
+                        + (" (from $RT_VERIFY)" if o.verify == _env_verify() else ""))
     path_or_none(where, "dump_dir", o.dump_dir)
     path_or_none(where, "cache_dir", o.cache_dir)
     if not is_int(o.bucket_bytes):

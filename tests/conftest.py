@@ -10,6 +10,10 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+# the verifier runs after every pass in every test (production verifies the pipeline's
+# result once and re-runs the passes only to name one that broke the graph)
+os.environ.setdefault("RT_VERIFY", "each")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)

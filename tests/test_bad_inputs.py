@@ -122,7 +122,7 @@ case("opts-max_compiles_warning-str", TypeError, r"max_compiles_warning must be 
     lambda: rt.RunOptions(max_compiles_warning="x"))
 case("opts-max_compiles_warning-zero", ValueError, r"max_compiles_warning must be a positive int, got 0")(
     lambda: rt.RunOptions(max_compiles_warning=0))
-case("opts-verify-string", TypeError, r"verify must be True or False, got 'no' \(str\)")(
+case("opts-verify-string", TypeError, r"verify must be True, False, 'each' or 'end', got 'no' \(str\)")(
     lambda: rt.RunOptions(verify="no"))
 case("opts-dynamic_shapes-string", TypeError, r"dynamic_shapes must be True or False, got 'yes' \(str\)")(
     lambda: rt.RunOptions(dynamic_shapes="yes"))

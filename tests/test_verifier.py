@@ -375,3 +375,67 @@ def test_primitive_by_name_finds_lowered_and_unlowered_primitives(name):
     prim = jc.primitive_by_name(name)
     assert prim is not None and prim.name == name
     assert jc.primitive_by_name("no_such_primitive") is None
+
+
+# -- verify="end": one verification on success, the same error as "each" on failure ---------
+@dataclass(frozen=True)
+class _Count:
+    """An identity pass that counts its runs (in a list shared by the test)."""
+
+    runs: list
+    name: str = "counter"
+
+    def apply(self, graph: Graph) -> Graph:
+        self.runs.append(self.name)
+        return graph
+
+
+def test_verify_end_runs_each_pass_once_when_the_result_verifies(monkeypatch):
+    import ir.verifier as iv
+    calls, runs = [], []
+    real = iv.verify
+    monkeypatch.setattr("compiler.pass_manager.verify",
+                        lambda g, **kw: (calls.append(kw.get("where")), real(g, **kw))[1])
+    out = PassManager(parse_pipeline("replication") + [_Count(runs)] + parse_pipeline("dce"),
+                      verify="end").run(parse(_GRAPH))
+    assert runs == ["counter"]
+    assert calls == ["after the pipeline"]
+    each = PassManager(parse_pipeline("replication") + [_Count([])] + parse_pipeline("dce"),
+                       verify="each").run(parse(_GRAPH))
+    assert print_graph(out) == print_graph(each)
+
+
+@pytest.mark.parametrize("tail", [[], ["dce"]], ids=["last", "before-dce"])
+def test_verify_end_names_the_pass_that_broke_the_graph(tail):
+    # the broken graph reaches the end (or dce, which trips on it): either way the passes
+    # run again, verified one by one, and the error is the one verify="each" gives
+    def pipeline():
+        return parse_pipeline("replication,dce") + [_BreakPass()] + parse_pipeline(",".join(tail))
+    with pytest.raises(PassError) as each:
+        PassManager(pipeline(), verify="each").run(parse(_GRAPH))
+    with pytest.raises(PassError) as end:
+        PassManager(pipeline(), verify="end").run(parse(_GRAPH))
+    assert str(end.value) == str(each.value)
+    assert "after pass 'breaker'" in str(end.value)
+    assert "passes that ran: import, replication, dce" in str(end.value)
+
+
+def test_verify_false_does_not_verify_and_a_bad_mode_is_refused():
+    out = PassManager([_BreakPass()], verify=False).run(parse(_GRAPH))
+    assert len(out.outputs) == 1
+    with pytest.raises(PassError, match=r"verify must be one of True, False, 'each', 'end', "
+                                         r"got 'always'"):
+        PassManager([], verify="always")
+
+
+def test_run_options_verify_default_comes_from_rt_verify(monkeypatch):
+    import runtime as rt
+    assert rt.RunOptions().verify == "each"  # tests/conftest.py sets RT_VERIFY=each
+    monkeypatch.delenv("RT_VERIFY")
+    assert rt.RunOptions().verify == "end"
+    monkeypatch.setenv("RT_VERIFY", "0")
+    assert rt.RunOptions().verify is False
+    monkeypatch.setenv("RT_VERIFY", "sometimes")
+    with pytest.raises(TypeError, match=r"verify must be True, False, 'each' or 'end', got "
+                                        r"'sometimes' \(str\) \(from \$RT_VERIFY\)"):
+        rt.RunOptions()

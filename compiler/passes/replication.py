@@ -107,8 +107,8 @@ def annotate(graph: Graph, in_reps: list[Replica]) -> tuple[Graph, list[Replica]
             nv = Value(r.type.with_replica(o))
             new_vals[r] = nv
             results.append(nv)
-        ops.append(op.replace(operands=tuple(new_vals[v] for v in op.operands),
-                              results=tuple(results), regions=tuple(regions)))
+        ops.append(op.with_values(tuple([new_vals[v] for v in op.operands]), tuple(results),
+                                  tuple(regions)))
     outs = tuple(new_vals[v] for v in graph.outputs)
     return Graph(tuple(inputs), tuple(ops), outs, graph.name), [rep[v] for v in graph.outputs]
 

@@ -824,10 +824,12 @@ def _all_replicated(graph: Graph) -> Graph:
     inputs = tuple(retype(v) for v in graph.inputs)
     ops = []
     for op in graph.ops:
-        ops.append(op.replace(operands=tuple(new[v] for v in op.operands),
-                              results=tuple(retype(r) for r in op.results),
-                              attrs=tuple((a, b) for a, b in op.attrs if a != CONFLICT_ATTR),
-                              regions=tuple(_all_replicated(g) for g in op.regions)))
+        new_op = op.with_values(tuple([new[v] for v in op.operands]),
+                                tuple([retype(r) for r in op.results]),
+                                tuple([_all_replicated(g) for g in op.regions]))
+        if any(a == CONFLICT_ATTR for a, _ in op.attrs):
+            new_op = new_op.replace(attrs=tuple((a, b) for a, b in op.attrs if a != CONFLICT_ATTR))
+        ops.append(new_op)
     return Graph(inputs, tuple(ops), tuple(new[v] for v in graph.outputs), graph.name)
 
 
