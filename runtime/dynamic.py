@@ -336,6 +336,8 @@ class DynamicPath:
                 self.ready[sig] = ready
         else:
             self.rep._cache.count_fast_hit()
+            if not ready.on_device:
+                ready.place()
         if log.isEnabledFor(logging.INFO):
             log.info("%s: dynamic sizes %s -> bucket %s", self.rep.__name__,
                      [dict(s) for s in ready.sizes], ready.buckets)
@@ -368,13 +370,11 @@ class DynamicPath:
                                                               buckets, bounds, key,
                                                               statics).compile())
             self._maybe_warn()
-        # the real sizes, one (N,) int32 vector per symbol: the program's first inputs,
-        # constant for this signature, so placed on the devices once (not sent every call).
-        # ``make_array_from_callback`` places each device's slice directly: half the time
-        # of ``jax.device_put`` of the whole vector, which a call with new sizes pays.
-        shardings = prog.jax_compiled.input_shardings[0]
-        size_inputs = tuple(_size_vector([s[k] for s in sizes], shardings[i])
-                            for i, k in enumerate(syms))
+        # the real sizes, one (N,) int32 vector per symbol: the program's first inputs.
+        # A first call sends them from the host with its other inputs (placing them
+        # first would cost a call with new sizes ~60 us more); a call that repeats the
+        # signature places them on the devices once (:meth:`_Ready.placed`).
+        size_inputs = tuple(np.asarray([s[k] for s in sizes], np.int32) for k in syms)
         return _Ready(prog, tuple(sizes), size_inputs, tuple(pads), buckets)
 
     def lower(self, args: tuple, statics: tuple = ()) -> Any:
@@ -556,12 +556,21 @@ class _Ready:
     argument leaf ``None`` (mirrored) or ``(inner treedef, ((padded shape, dtype,
     {axis: bucket}), ...))``."""
 
-    __slots__ = ("prog", "sizes", "size_inputs", "pads", "buckets")
+    __slots__ = ("prog", "sizes", "size_inputs", "pads", "buckets", "on_device")
 
     def __init__(self, prog: Any, sizes: tuple, size_inputs: tuple, pads: tuple,
                  buckets: dict) -> None:
         self.prog, self.sizes, self.size_inputs = prog, sizes, size_inputs
         self.pads, self.buckets = pads, buckets
+        self.on_device = False  # size_inputs are host vectors until the signature repeats
+
+    def place(self) -> None:
+        """Put the size vectors on the devices as the program's inputs are laid out, so
+        that later calls with this signature do not send them again."""
+        shardings = self.prog.jax_compiled.input_shardings[0]
+        self.size_inputs = tuple(_size_vector(list(v), shardings[i])
+                                 for i, v in enumerate(self.size_inputs))
+        self.on_device = True
 
 
 def _size_vector(sizes: list[int], sharding: Any) -> jax.Array:

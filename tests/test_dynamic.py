@@ -258,6 +258,10 @@ def test_a_repeated_signature_is_planned_once(monkeypatch):
         _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
     assert len(plans) == 1
     assert step.cache_info()[:3] == (2, 1, 1)
+    # the first call sent the real sizes from the host; the repeat put them on the devices
+    ready, = step._dynamic.ready.values()
+    assert ready.on_device and all(isinstance(v, jax.Array) for v in ready.size_inputs)
+    np.testing.assert_array_equal(np.asarray(ready.size_inputs[0]), [5, 7, 2, 8])
     # new sizes in the same bucket: planned again, same program
     xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in (3, 8, 8, 1)]
     ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (3, 8, 8, 1)]
