@@ -139,14 +139,19 @@ class _Sharing:
         self.keys: dict[int, RegionKey | None] = {}  # by id(op): ops live as long as the graph
         self.calls: dict[RegionKey, int] = {}
         self.fns: dict[RegionKey, Any] = {}
+        self._canon: dict[RegionKey, RegionKey] = {}
         self._count(graph)
 
     def _count(self, graph: Graph) -> None:
         for op in graph.ops:
             if op.name in _SHARABLE:
-                key = self.keys[id(op)] = region_key(op)
+                key = region_key(op)
                 if key is not None:
+                    # one deep comparison per repeat; every later look-up of the key
+                    # (here, and at each call in ``_call``) is then by identity
+                    key = self._canon.setdefault(key, key)
                     self.calls[key] = self.calls.get(key, 0) + 1
+                self.keys[id(op)] = key
             for region in op.regions:
                 self._count(region)
 
@@ -164,7 +169,14 @@ def _attr_key(v: Any) -> Any:
     """``v`` as a hashable key equal only for values that mean the same: arrays by their
     bytes, floats by their bits (``0.0`` and ``-0.0`` differ), scalars with their type
     (``True`` and ``1`` differ), opaque objects and anything else by identity."""
-    if v is None or isinstance(v, (str, RegionRef)):
+    t = type(v)  # the common exact types first (the same keys as the general cases below)
+    if t is str or v is None:
+        return v
+    if t is int or t is bool:
+        return (t.__name__, int(v))
+    if t is tuple:
+        return ("tuple",) + tuple(map(_attr_key, v))
+    if isinstance(v, (str, RegionRef)):
         return v
     if isinstance(v, (bool, int, np.integer)):
         return (type(v).__name__, int(v))
@@ -187,12 +199,12 @@ def _graph_key(g: Graph) -> tuple:
     ids: dict[Any, int] = {v: i for i, v in enumerate(g.inputs)}
     parts: list[Any] = [tuple(v.type for v in g.inputs)]
     for op in g.ops:
-        operands = tuple(ids[v] for v in op.operands)
+        operands = tuple(map(ids.__getitem__, op.operands))
         for r in op.results:
             ids[r] = len(ids)
-        parts.append((op.name, id(op.impl), operands, tuple(r.type for r in op.results),
-                      op.loc, tuple((k, _attr_key(v)) for k, v in op.attrs),
-                      tuple(_graph_key(r) for r in op.regions)))
+        parts.append((op.name, id(op.impl), operands, tuple([r.type for r in op.results]),
+                      op.loc, tuple([(k, _attr_key(v)) for k, v in op.attrs]),
+                      tuple(map(_graph_key, op.regions)) if op.regions else ()))
     parts.append(tuple(ids[v] for v in g.outputs))
     return tuple(parts)
 

@@ -80,6 +80,15 @@ def test_region_key_is_exact():
     assert len(set(keys)) == len(_CONSTS) - 1
 
 
+def test_attribute_keys_tell_apart_values_that_compare_equal():
+    from compiler.lower import _attr_key
+    vals = [1, True, np.int32(1), 1.0, np.float32(1), -0.0, 0.0, (1,), [1], (True,), ((1,),),
+            "1", None, np.ones(1, np.float32), np.ones(1, np.int32)]
+    keys = [_attr_key(v) for v in vals]
+    assert len(set(keys)) == len(vals), keys
+    assert _attr_key((1, (2, "a"), 0.5)) == _attr_key((1, (2, "a"), 0.5))
+
+
 @pytest.mark.parametrize("k", [1, 2], ids=["K1", "K2"])
 def test_shared_jit_under_logical_devices_and_gradients(k):
     rng = np.random.default_rng(1)
