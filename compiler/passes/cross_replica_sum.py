@@ -29,12 +29,12 @@ Contract:
 from __future__ import annotations
 
 import functools
+import heapq
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import networkx as nx
 import numpy as np
 
 from compiler.errors import PassError
@@ -162,23 +162,30 @@ class CrossReplicaSumPass:
         none of the bucket's members is among its ancestors (merging those would make a
         cycle). The merged op takes the place of the bucket's last member and the graph is
         re-scheduled by a topological sort that keeps program order wherever it can, so
-        readers of an earlier member's result move after the merged op."""
-        nxg = graph.to_networkx()
-        candidates = [i for i, op in enumerate(graph.ops)
+        readers of an earlier member's result move after the merged op.
+
+        Linear in the graph: each op's ancestors among the candidates are one bit mask
+        (an int), built in one pass in program order."""
+        ops = graph.ops
+        candidates = [i for i, op in enumerate(ops)
                       if op.name == "all_reduce" and op.attr("gradient")]
+        if len(candidates) < 2:
+            return graph
+        bit = {i: 1 << k for k, i in enumerate(candidates)}
+        below = _candidate_ancestors(graph, bit)
         groups: list[list[int]] = []
         current: list[int] = []
-        size, kind = 0, None
+        current_mask, size, kind = 0, 0, None
         for i in candidates:
-            op = graph.ops[i]
+            op = ops[i]
             nbytes = sum(_nbytes(v) for v in op.operands)
-            ancestors = {n[1] for n in nx.ancestors(nxg, ("op", i)) if n[0] == "op"}
             if not (current and kind == op.attr("reduce") and size + nbytes <= self.bucket_bytes
-                    and not ancestors.intersection(current)):
+                    and not below[i] & current_mask):
                 if len(current) > 1:
                     groups.append(current)
-                current, size, kind = [], 0, op.attr("reduce")
+                current, current_mask, size, kind = [], 0, 0, op.attr("reduce")
             current.append(i)
+            current_mask |= bit[i]
             size += nbytes
         if len(current) > 1:
             groups.append(current)
@@ -186,17 +193,60 @@ class CrossReplicaSumPass:
             return graph
         merged_at = {g[-1]: g for g in groups}
         dropped = {j for g in groups for j in g[:-1]}
-        ops: list[Op] = []
-        for i, op in enumerate(graph.ops):
+        kept: dict[int, Op] = {}
+        for i, op in enumerate(ops):
             if i in dropped:
                 continue
             if i in merged_at:
-                members = [graph.ops[j] for j in merged_at[i]]
+                members = [ops[j] for j in merged_at[i]]
                 op = Op("all_reduce", tuple(v for m in members for v in m.operands),
                         tuple(r for m in members for r in m.results),
                         (("reduce", op.attr("reduce")), ("axes", op.attr("axes")),
                          ("gradient", True), ("bucket", len(members))), members[-1].loc)
-            ops.append(op)
-        dag = graph.replace(ops=tuple(ops)).to_networkx()
-        sched = nx.lexicographical_topological_sort(dag, key=lambda n: (n[0] != "in", n[1]))
-        return graph.replace(ops=tuple(dag.nodes[n]["op"] for n in sched if n[0] == "op"))
+            kept[i] = op
+        return graph.replace(ops=tuple(kept[i] for i in _stable_topological_order(kept)))
+
+
+def _candidate_ancestors(graph: Graph, bit: dict[int, int]) -> list[int]:
+    """Per op (by index), the bits of the candidate ops among its ancestors: the OR over
+    its operands' producers of their own masks and bits. The ops are in program order
+    (every operand defined before its reader), which the verifier guarantees."""
+    producer: dict[Value, int] = {}
+    below = [0] * len(graph.ops)
+    for i, op in enumerate(graph.ops):
+        m = 0
+        for v in op.operands:
+            j = producer.get(v)
+            if j is not None:
+                m |= below[j] | bit.get(j, 0)
+        below[i] = m
+        for r in op.results:
+            producer[r] = i
+    return below
+
+
+def _stable_topological_order(ops: dict[int, Op]) -> list[int]:
+    """The keys of ``ops`` (program positions) in a topological order of their operand
+    dependences that takes the smallest position first whenever several ops are ready:
+    the program order itself wherever the dependences allow it."""
+    producer = {r: i for i, op in ops.items() for r in op.results}
+    waiting: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for i, op in ops.items():
+        deps = {producer[v] for v in op.operands if v in producer}
+        waiting[i] = len(deps)
+        for d in deps:
+            readers.setdefault(d, []).append(i)
+    ready = [i for i, n in waiting.items() if n == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in readers.get(i, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(ops):
+        raise PassError("cross-replica-sum: merging all-reduces made a dependence cycle")
+    return order
