@@ -373,7 +373,7 @@ class DynamicPath:
         # the real sizes, one (N,) int32 vector per symbol: the program's first inputs.
         # A first call sends them from the host with its other inputs (placing them
         # first would cost a call with new sizes ~60 us more); a call that repeats the
-        # signature places them on the devices once (:meth:`_Ready.placed`).
+        # signature places them on the devices once (:meth:`_Ready.place`).
         size_inputs = tuple(np.asarray([s[k] for s in sizes], np.int32) for k in syms)
         return _Ready(prog, tuple(sizes), size_inputs, tuple(pads), buckets)
 
@@ -568,15 +568,14 @@ class _Ready:
         """Put the size vectors on the devices as the program's inputs are laid out, so
         that later calls with this signature do not send them again."""
         shardings = self.prog.jax_compiled.input_shardings[0]
-        self.size_inputs = tuple(_size_vector(list(v), shardings[i])
-                                 for i, v in enumerate(self.size_inputs))
+        self.size_inputs = tuple(_size_vector(host, shardings[i])
+                                 for i, host in enumerate(self.size_inputs))
         self.on_device = True
 
 
-def _size_vector(sizes: list[int], sharding: Any) -> jax.Array:
-    """The replicas' real sizes of one dynamic dimension as the program's ``(N,)`` int32
-    input, laid out as ``sharding`` says."""
-    host = np.asarray(sizes, np.int32)
+def _size_vector(host: np.ndarray, sharding: Any) -> jax.Array:
+    """The replicas' real sizes of one dynamic dimension (the host ``(N,)`` int32 vector)
+    as the program's input, laid out as ``sharding`` says."""
     if sharding is None:  # an input the program does not read (JAX pruned it)
         return jax.device_put(host)
     return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)

@@ -67,10 +67,10 @@ def test_bucketing_merges_gradient_all_reduces_and_keeps_numbers(bucket_bytes, e
 # -- the linear-time bucketing against the first (networkx) implementation ------------------
 def _reference_bucket(graph, bucket_bytes):
     """The pass's first implementation (networkx ancestors per candidate, networkx's
-    lexicographic topological sort), kept here as the oracle of the linear one."""
+    lexicographic topological sort), kept here as the oracle of the linear one's grouping
+    and schedule (the merged op itself is built by the pass's own helper)."""
     import networkx as nx
-    from compiler.passes.cross_replica_sum import _nbytes
-    from ir.graph import Op
+    from compiler.passes.cross_replica_sum import _nbytes, merged_all_reduce
     nxg = graph.to_networkx()
     candidates = [i for i, op in enumerate(graph.ops)
                   if op.name == "all_reduce" and op.attr("gradient")]
@@ -96,13 +96,8 @@ def _reference_bucket(graph, bucket_bytes):
     for i, op in enumerate(graph.ops):
         if i in dropped:
             continue
-        if i in merged_at:
-            members = [graph.ops[j] for j in merged_at[i]]
-            op = Op("all_reduce", tuple(v for m in members for v in m.operands),
-                    tuple(r for m in members for r in m.results),
-                    (("reduce", op.attr("reduce")), ("axes", op.attr("axes")),
-                     ("gradient", True), ("bucket", len(members))), members[-1].loc)
-        ops.append(op)
+        ops.append(merged_all_reduce([graph.ops[j] for j in merged_at[i]]) if i in merged_at
+                   else op)
     dag = graph.replace(ops=tuple(ops)).to_networkx()
     sched = nx.lexicographical_topological_sort(dag, key=lambda n: (n[0] != "in", n[1]))
     return graph.replace(ops=tuple(dag.nodes[n]["op"] for n in sched if n[0] == "op"))

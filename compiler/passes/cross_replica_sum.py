@@ -197,14 +197,18 @@ class CrossReplicaSumPass:
         for i, op in enumerate(ops):
             if i in dropped:
                 continue
-            if i in merged_at:
-                members = [ops[j] for j in merged_at[i]]
-                op = Op("all_reduce", tuple(v for m in members for v in m.operands),
-                        tuple(r for m in members for r in m.results),
-                        (("reduce", op.attr("reduce")), ("axes", op.attr("axes")),
-                         ("gradient", True), ("bucket", len(members))), members[-1].loc)
-            kept[i] = op
+            kept[i] = merged_all_reduce([ops[j] for j in merged_at[i]]) if i in merged_at else op
         return graph.replace(ops=tuple(kept[i] for i in _stable_topological_order(kept)))
+
+
+def merged_all_reduce(members: list[Op]) -> Op:
+    """One variadic gradient all-reduce of ``members`` (same reduce kind and axes), with
+    their operands and results in order, at the last member's location."""
+    last = members[-1]
+    return Op("all_reduce", tuple(v for m in members for v in m.operands),
+              tuple(r for m in members for r in m.results),
+              (("reduce", last.attr("reduce")), ("axes", last.attr("axes")),
+               ("gradient", True), ("bucket", len(members))), last.loc)
 
 
 def _candidate_ancestors(graph: Graph, bit: dict[int, int]) -> list[int]:
