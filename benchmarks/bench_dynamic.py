@@ -15,7 +15,9 @@
    brings exact sizes never seen before, all inside one compiled bucket (target <= 1 ms,
    and the same as repeating one size); and 40 calls with random sizes in [1, 256]
    (pow2), compiles included, against ``jax.jit`` compiling every exact shape (target
-   <= 0.3x). Every per-replica result is read (``.values``).
+   <= 0.3x). New/repeated is held to the same 1.1x as part 2 (issue 15: the cost must not
+   depend on whether the sizes were seen; machines here are too noisy for 1.0). Every
+   per-replica result is read (``.values``).
 
     .venv/bin/python benchmarks/bench_dynamic.py [--calls 200] [--replicas 4] [--reps 300]
 
@@ -172,7 +174,7 @@ def device_inputs(rng, n: int, reps: int) -> None:
     assert step.cache_info().misses == compiles, "a new size inside the bucket compiled"
     print(f"[4] device-array inputs, {n} replicas, bucket 256:")
     _common.report("a call with exact sizes never seen, inside the compiled bucket", new_t,
-                   rep_t, None, ours_name="new sizes", ref_name="a repeated size",
+                   rep_t, TARGET, ours_name="new sizes", ref_name="a repeated size",
                    ratio_name="new/repeated")
     med = sorted(new_t)[len(new_t) // 2]
     print(f"   per call with new sizes: {_common.fmt(med)}  target <= 1 ms  "

@@ -67,14 +67,15 @@ def dynamic_phases(reps: int) -> None:
     args = (w, rt.PerReplica([x]), rt.PerReplica([y]))
     dyn(*args)
     path = dyn._dynamic
-    ready = next(iter(path.ready.values()))
+    plan = next(iter(path.planned.values()))
     leaves = jax.tree_util.tree_flatten(args, lambda v: type(v) is rt.PerReplica)[0]
-    flat = list(ready.size_inputs) + [w, _pad_host([x], (512, D), x.dtype, 1),
-                                      _pad_host([y], (512, D), y.dtype, 1)]
+    sizes = ({"b": 314},)
+    flat = [plan.puts[0](np.asarray([314], np.int32)), w, _pad_host([x], (512, D), x.dtype, 1),
+            _pad_host([y], (512, D), y.dtype, 1)]
 
     fns = {"dynamic call": blocked(lambda: dyn(*args)),
-           "run() alone (pad + execute + wrap)": blocked(lambda: path.run(ready, leaves)),
-           "executable on padded host inputs": blocked(lambda: ready.prog.call(*flat)),
+           "run() alone (pad + execute + wrap)": blocked(lambda: path.run(plan, sizes, leaves)),
+           "executable on padded host inputs": blocked(lambda: plan.prog.call(*flat)),
            "pad both inputs on the host": blocked(lambda: (_pad_host([x], (512, D), x.dtype, 1),
                                                      _pad_host([y], (512, D), y.dtype, 1)))}
     res = _common.interleaved(fns, reps)

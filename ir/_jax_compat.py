@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax._src import core as _core
 from jax._src import source_info_util as _siu
+from jax._src.lib import xla_client as _xc
 
 #: the installed JAX as (major, minor, patch)
 JAX_VERSION: tuple[int, ...] = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
@@ -343,6 +344,39 @@ def checked_cpp_call(compiled: Any, check: Any) -> Any:
 
 
 _CPP_CALL_LOCK = __import__("threading").Lock()
+
+
+class HostPut:
+    """Puts host arrays of one shape and dtype as global ``jax.Array`` s laid out as
+    ``sharding`` says, with one ``batched_device_put`` (the copy to each device in C++).
+
+    JAX's own path for a NumPy argument of a compiled call (``shard_args``) works out
+    the same slices and devices in Python on every call: ~45 us for a vector of 4
+    replicas' sizes, against ~14 here, where they are worked out once. Only for a
+    canonical dtype (what the executable takes as it is); anything else, or a JAX
+    without the function, is handed to ``jax.device_put``."""
+
+    __slots__ = ("sharding", "shape", "_aval", "_devices", "_indices")
+
+    def __init__(self, sharding: Any, shape: tuple, dtype: Any) -> None:
+        self.sharding, self.shape = sharding, tuple(shape)
+        self._aval = self._devices = self._indices = None
+        dtype = np.dtype(dtype)
+        if getattr(_xc, "batched_device_put", None) is None or sharding is None:
+            return
+        if jax.dtypes.canonicalize_dtype(dtype) != dtype or dtype == jax.dtypes.float0:
+            return
+        self._aval = ShapedArray(self.shape, dtype)
+        self._devices = list(sharding._addressable_device_assignment)
+        self._indices = (None if sharding.is_fully_replicated else
+                         tuple(sharding.addressable_devices_indices_map(self.shape).values()))
+
+    def __call__(self, x: np.ndarray) -> Any:
+        if self._aval is None or type(x) is not np.ndarray or x.shape != self.shape \
+                or x.dtype != self._aval.dtype:
+            return x if self.sharding is None else jax.device_put(x, self.sharding)
+        shards = [x] * len(self._devices) if self._indices is None else [x[i] for i in self._indices]
+        return _xc.batched_device_put(self._aval, self.sharding, shards, self._devices, True)
 
 
 def define_annotation_primitive(name: str) -> Primitive:

@@ -19,18 +19,20 @@ unpad (``RunOptions(dynamic_shapes=True)``).
   bucket; the cache key holds the bucket sizes, so ``cache_info().misses`` counts one
   compile per bucket. Each call logs its bucket (``logging.getLogger("runtime")``, INFO)
   and more compiles than ``RunOptions(max_compiles_warning=...)`` warn once.
-- The real sizes go in as run-time ``s32`` arguments, one per replica per symbol (placed
-  on the devices once per input signature); inputs are zero-padded at the end of each
-  dynamic axis (the masks make the result independent of what the padding holds), on
-  the host, device arrays included (padding on a device would compile a program per
-  exact size), unless they already have the bucket's shape; results are cut back to the
-  real sizes on the host when ``.values`` is read, for the same reason. Nothing is
-  compiled per exact size, only per bucket;
-  outputs keep their padded axes sliced back to each replica's real size (deferred
-  ``PerReplica`` values of different lengths).
-- Each exact input signature is planned once (:class:`_Ready`: program, size inputs,
-  padding per leaf; at most ``READY_MEMO_SIZE``): a repeated call skips validation,
-  bucketing and the key, and keeps the bucket it got (``auto`` does not move it).
+- The real sizes go in as run-time ``s32`` arguments, one per replica per symbol, sent
+  with the call's other inputs; inputs are zero-padded at the end of each dynamic axis
+  (the masks make the result independent of what the padding holds), on the host, device
+  arrays included (padding on a device would compile a program per exact size), unless
+  they already have the bucket's shape; results are cut back to the real sizes on the
+  host when ``.values`` is read, for the same reason. Nothing is compiled per exact size,
+  only per bucket; outputs keep their padded axes sliced back to each replica's real
+  size (deferred ``PerReplica`` values of different lengths).
+- Each bucket is planned once (:class:`_Plan`: program, padding per leaf, how each host
+  input is sent; at most ``PLAN_MEMO_SIZE``). A later call whose per-replica values are
+  arrays reads its sizes and buckets off the shapes in one pass and goes to that plan,
+  so its cost does not depend on whether its exact sizes were seen before; the first
+  call of a bucket, calls with ``maximum_shapes`` and calls with values other than
+  arrays are validated and bucketed in full.
 - Gradient all-reduce keeps TF's semantics: each replica's ``mean`` divides by its own
   real size (``dim_as_value`` in the trace), and gradients are then averaged over replicas.
 
@@ -185,7 +187,9 @@ class DynamicPath:
         check_options(self.options)
         self.bucket = make_bucketer(self.options.bucketing)
         self.traces: dict[Any, Any] = {}
-        self.ready: dict[Any, _Ready] = {}  # exact input signature -> planned call
+        self.planned: dict[Any, _Plan] = {}  # a call's quick key -> its bucket's plan
+        self._arg_of: dict[Any, tuple] = {}  # argument treedef -> argument index per leaf
+        self._axes_memo: dict[tuple, tuple] = {}  # (argument, rank) -> dynamic, static axes
         self.lock = threading.Lock()
         self.warned = False
 
@@ -318,34 +322,129 @@ class DynamicPath:
         return leaves, treedef, per_leaf, syms, sizes, buckets, bounds
 
     def call(self, args: tuple, statics: tuple = ()) -> Any:
-        """Run the step: a call whose exact input signature was seen before goes straight
-        to its program (no re-validation, re-bucketing or key building); a new one is
-        planned, validated and bucketed first (:meth:`prepare`)."""
+        """Run the step. A call whose per-replica values are arrays (and no
+        ``maximum_shapes``) is planned in one pass over its shapes (:meth:`_quick`): its
+        structure, static dims and buckets find the plan of the bucket, made by the first
+        call that landed in it, so a call with sizes never seen costs what a repeated one
+        does. Any other call, and the first of each bucket, is planned, validated and
+        bucketed in full (:meth:`prepare`)."""
         leaves, treedef = _tree_flatten(args, _is_pr)
-        try:
-            sig = (treedef, statics, tuple(leaf_sig(x) if type(x) is not PerReplica else
-                                           tuple(_value_sig(v) for v in x.values) for x in leaves))
-            ready = self.ready.get(sig)
-        except TypeError:  # an unhashable leaf: plan every call
-            sig = ready = None
-        if ready is None:
-            ready = self.prepare(args, statics)
-            if sig is not None:
-                if len(self.ready) >= READY_MEMO_SIZE:
-                    self.ready.pop(next(iter(self.ready)), None)
-                self.ready[sig] = ready
+        quick = self._quick(leaves, treedef, statics)
+        plan = None
+        if quick is not None:
+            qkey, sizes, buckets = quick
+            try:
+                plan = self.planned.get(qkey)
+            except TypeError:  # an unhashable mirrored leaf: plan every call
+                quick = None
+        if plan is None:
+            plan, sizes = self.prepare(args, statics)
+            # kept for later calls only when the full plan chose the buckets the quick
+            # pass did (a bucketing callable that is not a function of the size: never)
+            if quick is not None and plan.buckets == buckets:
+                if len(self.planned) >= PLAN_MEMO_SIZE:
+                    self.planned.pop(next(iter(self.planned)), None)
+                self.planned[qkey] = plan
         else:
             self.rep._cache.count_fast_hit()
-            if not ready.on_device:
-                ready.place()
         if log.isEnabledFor(logging.INFO):
             log.info("%s: dynamic sizes %s -> bucket %s", self.rep.__name__,
-                     [dict(s) for s in ready.sizes], ready.buckets)
-        return self.run(ready, leaves)
+                     [dict(s) for s in sizes], plan.buckets)
+        return self.run(plan, sizes, leaves)
 
-    def prepare(self, args: tuple, statics: tuple = ()) -> _Ready:
-        """Plan a call with a new input signature: validate it, choose the buckets, and
-        fetch (or build and compile) the program of those buckets."""
+    def _quick(self, leaves: list, treedef: Any, statics: tuple) -> tuple | None:
+        """``(key, sizes, buckets)`` of a call, read off its shapes in one pass, when every
+        per-replica value is an array or a pytree of arrays and no ``maximum_shapes`` is
+        set; ``None`` otherwise,
+        and for anything :meth:`plan` would reject (which then says why). The key holds
+        everything the plan depends on but the exact sizes: the argument structure,
+        the mirrored leaves' signatures, per per-replica leaf its rank, dtype, static
+        dims and dynamic axes, and the buckets."""
+        if self.options.maximum_shapes is not None:
+            return None
+        n = self.rep.num_replicas
+        arg_of = self._arg_of.get(treedef)
+        if arg_of is None:
+            arg_of = self._arg_of[treedef] = tuple(
+                i for i, c in enumerate(treedef.children()) for _ in range(c.num_leaves))
+        sizes: list[dict[str, int]] = [{} for _ in range(n)]
+        parts = []
+        for i, x in enumerate(leaves):
+            if type(x) is not PerReplica:
+                parts.append(leaf_sig(x))
+                continue
+            vals = x.values
+            if len(vals) != n:
+                return None
+            if _is_array(vals[0]):  # one array per replica
+                part = self._quick_leaf(vals, arg_of[i], sizes)
+                if part is None:
+                    return None
+                parts.append((_PER_REPLICA, part))
+                continue
+            flat = [_tree_flatten(v) for v in vals]  # a pytree per replica
+            td0 = flat[0][1]
+            if any(td != td0 for _, td in flat):
+                return None
+            inner = []
+            for j in range(td0.num_leaves):
+                part = self._quick_leaf([f[0][j] for f in flat], arg_of[i], sizes)
+                if part is None:
+                    return None
+                inner.append(part)
+            parts.append((_PER_REPLICA, td0, tuple(inner)))
+        buckets = {}
+        for sym in sorted(sizes[0]) if n else ():
+            top = max(sz[sym] for sz in sizes)
+            b = self.bucket(top, None)
+            if b < top:
+                return None
+            buckets[sym] = b
+        return (treedef, statics, tuple(parts), tuple(buckets.items())), tuple(sizes), buckets
+
+    def _quick_leaf(self, arrs: list, arg: int, sizes: list) -> tuple | None:
+        """One per-replica leaf of :meth:`_quick` (an array per replica): its part of the
+        key, with each replica's sizes recorded in ``sizes``; ``None`` unless every value
+        is an array of the same rank, dtype and static dims, and each replica's sizes
+        agree with its other leaves'."""
+        a0 = arrs[0]
+        if not _is_array(a0):
+            return None
+        shape0, dtype0 = a0.shape, a0.dtype
+        lay = self._leaf_axes(arg, len(shape0))
+        if lay is None:
+            return None
+        dyn, static = lay
+        static0 = tuple([shape0[k] for k in static])
+        for r, a in enumerate(arrs):
+            if not _is_array(a):
+                return None
+            shape = a.shape  # (a jax.Array computes it on every access)
+            if len(shape) != len(shape0) or a.dtype != dtype0 or \
+                    tuple([shape[k] for k in static]) != static0:
+                return None
+            got = sizes[r]
+            for ax, sym in dyn:
+                if got.setdefault(sym, shape[ax]) != shape[ax]:
+                    return None
+        return dtype0, static0, dyn
+
+    def _leaf_axes(self, arg: int, rank: int) -> tuple | None:
+        """``(((axis, symbol), ...), static axes)`` of a per-replica array leaf of argument
+        ``arg`` (remembered); ``None`` when the options name a bad axis."""
+        lay = self._axes_memo.get((arg, rank))
+        if lay is None:
+            try:
+                axes = self._axes(arg, rank)
+            except ValueError:
+                return None
+            lay = self._axes_memo[(arg, rank)] = (
+                tuple(sorted(axes.items())), tuple(k for k in range(rank) if k not in axes))
+        return lay
+
+    def prepare(self, args: tuple, statics: tuple = ()) -> tuple:
+        """Plan a call in full: validate it, choose the buckets, and fetch (or build and
+        compile) the program of those buckets. Returns ``(plan, sizes)``."""
         leaves, treedef, per_leaf, syms, sizes, buckets, bounds = self.plan(args)
         pads, key_sigs = [], []
         for x, info in zip(leaves, per_leaf):
@@ -370,12 +469,7 @@ class DynamicPath:
                                                               buckets, bounds, key,
                                                               statics).compile())
             self._maybe_warn()
-        # the real sizes, one (N,) int32 vector per symbol: the program's first inputs.
-        # A first call sends them from the host with its other inputs (placing them
-        # first would cost a call with new sizes ~60 us more); a call that repeats the
-        # signature places them on the devices once (:meth:`_Ready.place`).
-        size_inputs = tuple(np.asarray([s[k] for s in sizes], np.int32) for k in syms)
-        return _Ready(prog, tuple(sizes), size_inputs, tuple(pads), buckets)
+        return _Plan(prog, syms, buckets, tuple(pads), self.rep.num_replicas), tuple(sizes)
 
     def lower(self, args: tuple, statics: tuple = ()) -> Any:
         """The program (not compiled) for these arguments' buckets."""
@@ -505,12 +599,15 @@ class DynamicPath:
                             for v in graph.outputs]
         return prog
 
-    def run(self, ready: _Ready, leaves: list) -> Any:
+    def run(self, plan: _Plan, sizes: tuple, leaves: list) -> Any:
         """Pad the inputs to the buckets, run the program, and return the outputs with
         every padded axis sliced back to each replica's real size (deferred)."""
-        rep, prog, n = self.rep, ready.prog, self.rep.num_replicas
-        flat = list(ready.size_inputs)
-        for x, pad in zip(leaves, ready.pads):
+        rep, prog, n = self.rep, plan.prog, self.rep.num_replicas
+        puts = plan.puts
+        # the real sizes, one (N,) int32 vector per symbol: the program's first inputs
+        flat = [puts[i](np.asarray([s[sym] for s in sizes], np.int32))
+                for i, sym in enumerate(plan.syms)]
+        for x, pad in zip(leaves, plan.pads):
             if pad is None:
                 flat.append(x)
                 continue
@@ -518,8 +615,9 @@ class DynamicPath:
             per = x.values if td == LEAF_TREEDEF else [td.flatten_up_to(v) for v in x.values]
             for j, (shape, dtype, to) in enumerate(leaf_pads):
                 arrs = per if td == LEAF_TREEDEF else [p[j] for p in per]
+                put = puts[len(flat)]
                 if all(type(a) is np.ndarray for a in arrs):
-                    flat.append(_pad_host(arrs, shape, dtype, n))
+                    flat.append(put(_pad_host(arrs, shape, dtype, n)))
                 elif all(isinstance(a, jax.Array) and a.shape == shape for a in arrs):
                     # device arrays already of the bucket's shape: nothing to pad
                     flat.extend(rep.layout.global_inputs(PerReplica(arrs),
@@ -529,7 +627,7 @@ class DynamicPath:
                     # device would compile a program per exact input shape (tens of ms for
                     # each new size); a copy to the host and back costs far less and does
                     # not depend on whether the size was seen before.
-                    flat.append(_pad_host([np.asarray(a) for a in arrs], shape, dtype, n))
+                    flat.append(put(_pad_host([np.asarray(a) for a in arrs], shape, dtype, n)))
         try:
             outs = prog.call(*flat)
         except ValueError as e:
@@ -541,52 +639,45 @@ class DynamicPath:
             if not pad:
                 res.append(rep.layout.split(o, r) if v else o)
             else:
-                res.append(_unpadded(rep, o, v, r, pad, ready.sizes))
+                res.append(_unpadded(rep, o, v, r, pad, sizes))
         return prog.out_treedef.unflatten(res)
 
 
-#: the exact input signatures a ``DynamicPath`` remembers the plan of (oldest dropped first)
-READY_MEMO_SIZE = 4096
+#: how many bucket plans a ``DynamicPath`` remembers for :meth:`DynamicPath._quick`
+#: (oldest dropped first)
+PLAN_MEMO_SIZE = 4096
 _tree_flatten = jax.tree_util.tree_flatten
+_PER_REPLICA = object()  # tags a per-replica leaf in a plan key (never equal to a signature)
 
 
-class _Ready:
-    """A planned call for one exact input signature: the program of its buckets, each
-    replica's real sizes (and as the program's ``s32`` size inputs), the buckets, and per
-    argument leaf ``None`` (mirrored) or ``(inner treedef, ((padded shape, dtype,
-    {axis: bucket}), ...))``."""
+class _Plan:
+    """How to run a call in one bucket: its compiled program, the dynamic symbols (the
+    program's first inputs, one ``(N,)`` int32 vector of the real sizes each), the buckets,
+    per argument leaf ``None`` (mirrored) or ``(inner treedef, ((padded shape, dtype,
+    {axis: bucket}), ...))``, and per program input the :class:`~ir._jax_compat.HostPut`
+    that sends its host array (the size vectors, the padded host buffers)."""
 
-    __slots__ = ("prog", "sizes", "size_inputs", "pads", "buckets", "on_device")
+    __slots__ = ("prog", "syms", "buckets", "pads", "puts")
 
-    def __init__(self, prog: Any, sizes: tuple, size_inputs: tuple, pads: tuple,
-                 buckets: dict) -> None:
-        self.prog, self.sizes, self.size_inputs = prog, sizes, size_inputs
-        self.pads, self.buckets = pads, buckets
-        self.on_device = False  # size_inputs are host vectors until the signature repeats
-
-    def place(self) -> None:
-        """Put the size vectors on the devices as the program's inputs are laid out, so
-        that later calls with this signature do not send them again."""
-        shardings = self.prog.jax_compiled.input_shardings[0]
-        self.size_inputs = tuple(_size_vector(host, shardings[i])
-                                 for i, host in enumerate(self.size_inputs))
-        self.on_device = True
-
-
-def _size_vector(host: np.ndarray, sharding: Any) -> jax.Array:
-    """The replicas' real sizes of one dynamic dimension (the host ``(N,)`` int32 vector)
-    as the program's input, laid out as ``sharding`` says."""
-    if sharding is None:  # an input the program does not read (JAX pruned it)
-        return jax.device_put(host)
-    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+    def __init__(self, prog: Any, syms: tuple, buckets: dict, pads: tuple, n: int) -> None:
+        self.prog, self.syms, self.buckets, self.pads = prog, syms, buckets, pads
+        shardings = list(prog.jax_compiled.input_shardings[0])
+        shapes = [(n,)] * len(syms)
+        dtypes = [np.dtype(np.int32)] * len(syms)
+        for pad in pads:
+            if pad is None:
+                shapes.append(None)
+                dtypes.append(None)
+                continue
+            for shape, dtype, _ in pad[1]:
+                shapes.append((n * shape[0],) + tuple(shape[1:]) if shape else (n,))
+                dtypes.append(dtype)
+        self.puts = tuple(None if shape is None else jc.HostPut(sh, shape, dtype)
+                          for sh, shape, dtype in zip(shardings, shapes, dtypes))
 
 
-def _value_sig(v: Any) -> tuple:
-    """What the plan of a per-replica value depends on: its structure, shapes and dtypes."""
-    if isinstance(v, (np.ndarray, jax.Array)):
-        return (v.shape, v.dtype)
-    leaves, td = _tree_flatten(v)
-    return (td,) + tuple((np.shape(a), getattr(a, "dtype", type(a))) for a in leaves)
+def _is_array(x: Any) -> bool:
+    return type(x) is np.ndarray or isinstance(x, jax.Array)
 
 
 def _pad_host(arrs: list, shape: tuple, dtype: Any, n: int) -> np.ndarray:

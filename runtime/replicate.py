@@ -439,7 +439,7 @@ class Replicated:
         self._hit = None
         self._hits = itertools.count()
         if self._dynamic is not None:
-            self._dynamic.ready.clear()
+            self._dynamic.planned.clear()
 
     def ir(self, *args: Any, after: str | None = None) -> Graph:
         """Shortcut for ``self.lower(*args).ir(after)``."""

@@ -245,9 +245,10 @@ def _check_mlp(out, w, xs, ys):
         np.testing.assert_allclose(float(loss.values[r]), float(v[1]), rtol=1e-5)
 
 
-def test_a_repeated_signature_is_planned_once(monkeypatch):
-    """A call whose shapes were seen before skips validation and bucketing and counts a
-    hit; its new data still goes in (nothing is frozen but the shapes)."""
+def test_a_bucket_is_planned_once(monkeypatch):
+    """The first call of a bucket is validated and bucketed in full; later calls in that
+    bucket, repeated sizes or sizes never seen, host or device arrays, go straight to its
+    plan and count a hit, and their new data and sizes still go in."""
     step = rt.replicate(_mlp_step, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
     plans = _count_plans(monkeypatch, step)
     rng = np.random.default_rng(7)
@@ -258,18 +259,72 @@ def test_a_repeated_signature_is_planned_once(monkeypatch):
         _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
     assert len(plans) == 1
     assert step.cache_info()[:3] == (2, 1, 1)
-    # the first call sent the real sizes from the host; the repeat put them on the devices
-    ready, = step._dynamic.ready.values()
-    assert ready.on_device and all(isinstance(v, jax.Array) for v in ready.size_inputs)
-    np.testing.assert_array_equal(np.asarray(ready.size_inputs[0]), [5, 7, 2, 8])
-    # new sizes in the same bucket: planned again, same program
+    # new sizes in the same bucket (8): not planned again, same program, their own sizes
     xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in (3, 8, 8, 1)]
     ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (3, 8, 8, 1)]
     _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
-    assert len(plans) == 2 and step.cache_info()[:3] == (3, 1, 1)
-    # the same shapes as device arrays: the same plan, padded on the devices
+    assert len(plans) == 1 and step.cache_info()[:3] == (3, 1, 1)
+    # the same shapes as device arrays: the same plan
     _check_mlp(step(w, rt.PerReplica([jnp.asarray(x) for x in xs]), rt.PerReplica(ys)), w, xs, ys)
-    assert len(plans) == 2
+    assert len(plans) == 1
+    # a size past the bucket: planned in full, a new program
+    xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in (9, 1, 1, 1)]
+    ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (9, 1, 1, 1)]
+    _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
+    assert len(plans) == 2 and step.cache_info().misses == 2
+
+
+def test_a_planned_bucket_still_refuses_bad_calls(monkeypatch):
+    """Once a bucket is planned, calls that differ in anything but their sizes are not
+    run on its plan: a replica whose leaves disagree on the size of a dynamic dim, a
+    different static dim or dtype (a new program), and a replica count that is wrong all
+    get the full plan's errors or a program of their own, never the planned one."""
+    step = rt.replicate(_mlp_step, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
+    plans = _count_plans(monkeypatch, step)
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+
+    def batch(sizes, d=6, dtype=np.float32, y_sizes=None):
+        xs = [rng.normal(size=(s, d)).astype(dtype) for s in sizes]
+        ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in (y_sizes or sizes)]
+        return xs, ys
+    xs, ys = batch((5, 7, 2, 8))
+    _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
+    xs, ys = batch((5, 7, 2, 8), y_sizes=(5, 7, 3, 8))
+    with pytest.raises(ValueError, match=r"replica 2 has size 3 along axis 0 \(dynamic dim b\) "
+                                         r"but another input of that replica has 2"):
+        step(w, rt.PerReplica(xs), rt.PerReplica(ys))
+    with pytest.raises(ValueError, match="PerReplica argument 1 has 3 values but the step runs on 4"):
+        step(w, rt.PerReplica(xs[:3]), rt.PerReplica(ys[:3]))
+    xs, ys = batch((5, 7, 2, 8))
+    xs[1] = xs[1][:, :5]
+    with pytest.raises(ValueError, match=r"replica 1's value has shape \(7, 5\)"):
+        step(w, rt.PerReplica(xs), rt.PerReplica(ys))
+    # another static dim: its own program, whose numbers are its own
+    w8 = rng.normal(size=(8, 3)).astype(np.float32)
+    xs, ys = batch((5, 7, 2, 8), d=8)
+    _check_mlp(step(w8, rt.PerReplica(xs), rt.PerReplica(ys)), w8, xs, ys)
+    assert step.cache_info().misses == 2
+    # another dtype: its own program too
+    xs, ys = batch((5, 7, 2, 8))
+    out = step(w, rt.PerReplica([x.astype(np.float16) for x in xs]), rt.PerReplica(ys))
+    assert step.cache_info().misses == 3
+    _check_mlp(out, w, [x.astype(np.float16).astype(np.float32) for x in xs], ys)
+
+
+def test_pytree_values_use_the_planned_bucket(monkeypatch):
+    """Per-replica values that are dicts of arrays take the quick plan as well, with the
+    sizes of each replica's leaves."""
+    step = rt.replicate(lambda w, b: _mlp_step(w, b["x"], b["y"]), num_replicas=N,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    plans = _count_plans(monkeypatch, step)
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+    for sizes in ((5, 7, 2, 8), (1, 6, 8, 3)):
+        xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in sizes]
+        ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in sizes]
+        _check_mlp(step(w, rt.PerReplica([{"x": x, "y": y} for x, y in zip(xs, ys)])), w, xs, ys)
+    assert len(plans) == 1 and step.cache_info()[:3] == (1, 1, 1)
 
 
 def test_cache_clear_forgets_planned_calls():
@@ -278,7 +333,7 @@ def test_cache_clear_forgets_planned_calls():
     xs = [np.ones((3, 2), np.float32), np.full((5, 2), 2, np.float32)]
     step(rt.PerReplica(xs))
     step.cache_clear()
-    assert not step._dynamic.ready
+    assert not step._dynamic.planned
     out = step(rt.PerReplica(xs))
     assert step.cache_info()[:3] == (0, 1, 1)
     np.testing.assert_allclose(out.values[1], [10.0, 10.0])
@@ -286,13 +341,13 @@ def test_cache_clear_forgets_planned_calls():
 
 def test_planned_calls_are_bounded(monkeypatch):
     import runtime.dynamic as dyn
-    monkeypatch.setattr(dyn, "READY_MEMO_SIZE", 2)
+    monkeypatch.setattr(dyn, "PLAN_MEMO_SIZE", 2)
     step = rt.replicate(lambda x: x * 3, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
-    for n in (1, 2, 3, 4):
+    for n in (1, 2, 3, 4, 5):
         out = step(rt.PerReplica([np.full((n, 1), n, np.float32)] * 2))
         np.testing.assert_allclose(out.values[0], np.full((n, 1), 3 * n))
-    assert len(step._dynamic.ready) == 2
-    assert step.cache_info().misses == 3  # buckets 1, 2, 4
+    assert len(step._dynamic.planned) == 2
+    assert step.cache_info().misses == 4  # buckets 1, 2, 4, 8
 
 
 def test_padded_outputs_are_deferred():
@@ -494,3 +549,28 @@ def test_new_exact_sizes_of_device_arrays_compile_nothing():
             np.testing.assert_allclose(tot.values[r], np.asarray(x).sum(), rtol=1e-5)
     assert len(compiles) == before, f"{len(compiles) - before} programs compiled for new sizes"
     assert step.cache_info().misses == 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_, np.float64])
+def test_host_put_matches_device_put(dtype):
+    """The dynamic path sends its host buffers with ``HostPut``: the same values and
+    layout as ``jax.device_put`` (split over the replica axis, replicated over the model
+    axis), and a dtype the executable would convert (float64 without x64) is left to
+    ``jax.device_put``."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from ir._jax_compat import HostPut
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(4, 2), ("replica", "model"))
+    for spec, shape in ((P("replica"), (8, 3)), (P(), (8, 3)), (P("replica", "model"), (4, 6))):
+        sh = NamedSharding(mesh, spec)
+        x = (np.arange(np.prod(shape)).reshape(shape) % 5).astype(dtype)
+        put = HostPut(sh, shape, x.dtype)
+        got, want = put(x), jax.device_put(x, sh)
+        assert got.sharding == want.sharding and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for a, b in zip(sorted(got.addressable_shards, key=lambda s: s.device.id),
+                        sorted(want.addressable_shards, key=lambda s: s.device.id)):
+            assert a.index == b.index
+            np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+        # another shape than the one it was made for: jax.device_put's answer, not a misfit
+        y = np.ones((shape[0] * 2,) + shape[1:], dtype)
+        np.testing.assert_array_equal(np.asarray(put(y)), y.astype(want.dtype))
