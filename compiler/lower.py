@@ -7,7 +7,6 @@ axis (the ``model`` axis is left to XLA) and ``jax.jit`` with in/out shardings.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from typing import Any, Callable, Sequence
 
@@ -257,8 +256,40 @@ for _name in _SHARABLE:
     LOWERING_RULES[_name] = _call
 
 
+def _plain(region: Graph) -> bool:
+    """A region whose ops all re-bind their JAX primitive with plain attributes (no
+    lowering rule, no nested region): what it lowers to depends on nothing but itself
+    (a scatter's combiner, a reduction's body, a sort's comparator)."""
+    return all(not op.regions and op.name not in LOWERING_RULES for op in region.ops)
+
+
+#: jaxprs rebuilt from plain regions, by the region's exact key (``_graph_key``): JAX's own
+#: combiners come from ``lru_cache``d tracers (``lax._reduction_jaxpr``), so a fresh
+#: trace of a step meets the same ones; tracing each again costs ~0.5 ms
+_PLAIN_JAXPRS: dict[tuple, Any] = {}
+_PLAIN_JAXPRS_SIZE = 512
+
+
 def _rebuild(ref: RegionRef, op: Op) -> Any:
     region = op.regions[ref.index]
+    key = None
+    if _plain(region):
+        try:
+            key = (ref.closed, _graph_key(region))
+            hit = _PLAIN_JAXPRS.get(key)
+        except (_Unkeyable, TypeError, KeyError):
+            key = hit = None
+        if hit is not None:
+            return hit
+    jaxpr = _trace_region(ref, op, region)
+    if key is not None:
+        if len(_PLAIN_JAXPRS) >= _PLAIN_JAXPRS_SIZE:
+            _PLAIN_JAXPRS.pop(next(iter(_PLAIN_JAXPRS)), None)
+        _PLAIN_JAXPRS[key] = jaxpr
+    return jaxpr
+
+
+def _trace_region(ref: RegionRef, op: Op, region: Graph) -> Any:
     avals = [jax.ShapeDtypeStruct(v.type.shape, jc.dtype_from_name(v.type.dtype),
                                   weak_type=v.type.weak_type) for v in region.inputs]
     closed = jc.make_jaxpr_from(lambda *xs: eval_graph(region, list(xs)), avals)
@@ -298,7 +329,18 @@ def scope_name(op: Op) -> str:
     """The name scope an op lowers under (``hlo_report.ir_scope``). XLA copies it into the
     ``op_name`` metadata of every HLO instruction made for the op (collectives the SPMD
     partitioner inserts included), which is how ``compiler.hlo_report`` maps them back."""
-    return ir_scope(op.name, op.loc.file, op.loc.line)
+    key = (op.name, op.loc.file, op.loc.line)
+    name = _SCOPES.get(key)
+    if name is None:
+        if len(_SCOPES) >= 65536:
+            _SCOPES.clear()
+        name = _SCOPES[key] = ir_scope(*key)
+    return name
+
+
+_SCOPES: dict[tuple, str] = {}
+#: ops that make no HLO of their own (a NumPy constant, a type-level cast): no scope to name
+_UNSCOPED = frozenset({"constant", "cast_varying"})
 
 
 def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
@@ -307,10 +349,11 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
     for op in graph.ops:
         fn = LOWERING_RULES.get(op.name, _bind)
         try:
-            scope = (jax.named_scope(scope_name(op)) if op.loc is not None and op.loc.line
-                     else contextlib.nullcontext())
-            with scope:
+            if op.name in _UNSCOPED or op.loc is None or not op.loc.line:
                 outs = fn(op, [env[v] for v in op.operands])
+            else:
+                with jax.named_scope(scope_name(op)):
+                    outs = fn(op, [env[v] for v in op.operands])
         except LoweringError:
             raise
         except Exception as e:  # attach the op and the user's line to JAX's error

@@ -142,3 +142,33 @@ def test_shared_function_runs_its_callback_at_every_call_site():
     for r in range(len(xs)):
         np.testing.assert_array_equal(np.asarray(out.values[r]), want[r])
     assert sorted(_SEEN) == [0.0, 3.0, 3.0, 6.0]  # x.sum() and (x + 1).sum() per replica
+
+
+def _scatters(x, i):
+    """Each ``.at[]`` update binds a scatter whose combiner is a region of its own: add,
+    mul, max, min, and an add of int32 values."""
+    return (x.at[i].add(2.0), x.at[i].mul(3.0), x.at[i].max(x[0]), x.at[i].min(-1.0),
+            jnp.zeros(3, jnp.int32).at[i % 3].add(i))
+
+
+def test_rebuilt_combiners_are_reused_only_when_identical():
+    """The combiner regions of scatters are rebuilt once per distinct region (by exact
+    key) and reused by later lowerings; each program still gets its own combiner."""
+    from compiler import lower
+    lower._PLAIN_JAXPRS.clear()
+    x = np.arange(8, dtype=np.float32).reshape(4, 2) - 3
+    idx = [np.int32(1), np.int32(3)]
+    for _ in range(2):  # a fresh step each time: the second lowering reuses the jaxprs
+        step = rt.replicate(_scatters, num_replicas=2)
+        out = step(rt.PerReplica([x, x + 1]), rt.PerReplica(idx))
+        for r, xr in enumerate([x, x + 1]):
+            want = jax.jit(_scatters)(xr, idx[r])
+            for j, (got, ref) in enumerate(zip(out, want)):
+                np.testing.assert_array_equal(np.asarray(got.values[r]), np.asarray(ref),
+                                              err_msg=f"replica {r}, output {j}")
+        kinds = sorted({op.name for op, _ in step.lower(rt.PerReplica([x, x + 1]),
+                                                        rt.PerReplica(idx)).ir().walk()
+                        if op.name.startswith("scatter")})
+        assert len(kinds) >= 4, kinds
+    # add (f32), mul, max, min and add (i32): five distinct combiners, none merged
+    assert len(lower._PLAIN_JAXPRS) == 5, list(lower._PLAIN_JAXPRS)
