@@ -263,9 +263,11 @@ def _plain(region: Graph) -> bool:
     return all(not op.regions and op.name not in LOWERING_RULES for op in region.ops)
 
 
-#: jaxprs rebuilt from plain regions, by the region's exact key (``_graph_key``): JAX's own
-#: combiners come from ``lru_cache``d tracers (``lax._reduction_jaxpr``), so a fresh
-#: trace of a step meets the same ones; tracing each again costs ~0.5 ms
+#: jaxprs rebuilt from plain regions, by the region's exact key (``_graph_key``) and the
+#: trace context (JAX's config and the abstract mesh: a jaxpr's avals carry the mesh it
+#: was traced under, and one traced for 2 replicas is wrong for 1). JAX's own combiners
+#: come from ``lru_cache``d tracers (``lax._reduction_jaxpr``) keyed the same way, so a
+#: fresh trace of a step meets the same ones; tracing each again costs ~0.5 ms
 _PLAIN_JAXPRS: dict[tuple, Any] = {}
 _PLAIN_JAXPRS_SIZE = 512
 
@@ -275,7 +277,7 @@ def _rebuild(ref: RegionRef, op: Op) -> Any:
     key = None
     if _plain(region):
         try:
-            key = (ref.closed, _graph_key(region))
+            key = (ref.closed, jc.trace_context(), _PLATFORM.get(), _graph_key(region))
             hit = _PLAIN_JAXPRS.get(key)
         except (_Unkeyable, TypeError, KeyError):
             key = hit = None

@@ -346,6 +346,14 @@ def checked_cpp_call(compiled: Any, check: Any) -> Any:
 _CPP_CALL_LOCK = __import__("threading").Lock()
 
 
+def trace_context() -> tuple:
+    """What a jaxpr traced now depends on besides its function and avals: JAX's trace
+    context (the config options that change tracing) and the abstract mesh (which avals
+    carry), as one hashable key; JAX keys its own trace caches on the first."""
+    from jax._src import config as _config
+    return (_config.trace_context(), jax.sharding.get_abstract_mesh())
+
+
 class HostPut:
     """Puts host arrays of one shape and dtype as global ``jax.Array`` s laid out as
     ``sharding`` says, with one ``batched_device_put`` (the copy to each device in C++).

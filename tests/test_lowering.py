@@ -153,22 +153,22 @@ def _scatters(x, i):
 
 def test_rebuilt_combiners_are_reused_only_when_identical():
     """The combiner regions of scatters are rebuilt once per distinct region (by exact
-    key) and reused by later lowerings; each program still gets its own combiner."""
+    key) and trace context, and reused by later lowerings; each program still gets its
+    own combiner, and a combiner traced for one mesh is never used under another (its
+    avals carry the mesh: a reuse across replica counts aborted XLA)."""
     from compiler import lower
     lower._PLAIN_JAXPRS.clear()
     x = np.arange(8, dtype=np.float32).reshape(4, 2) - 3
-    idx = [np.int32(1), np.int32(3)]
-    for _ in range(2):  # a fresh step each time: the second lowering reuses the jaxprs
-        step = rt.replicate(_scatters, num_replicas=2)
-        out = step(rt.PerReplica([x, x + 1]), rt.PerReplica(idx))
-        for r, xr in enumerate([x, x + 1]):
-            want = jax.jit(_scatters)(xr, idx[r])
+    for n, k in ((2, 1), (2, 1), (1, 1), (4, 1), (2, 2)):  # (2, 1) twice: the reuse
+        xs = [x + r for r in range(n)]
+        idx = [np.int32(r % 4) for r in range(n)]
+        step = rt.replicate(_scatters, num_replicas=n, logical_devices=k)
+        out = step(rt.PerReplica(xs), rt.PerReplica(idx))
+        for r in range(n):
+            want = jax.jit(_scatters)(xs[r], idx[r])
             for j, (got, ref) in enumerate(zip(out, want)):
                 np.testing.assert_array_equal(np.asarray(got.values[r]), np.asarray(ref),
-                                              err_msg=f"replica {r}, output {j}")
-        kinds = sorted({op.name for op, _ in step.lower(rt.PerReplica([x, x + 1]),
-                                                        rt.PerReplica(idx)).ir().walk()
-                        if op.name.startswith("scatter")})
-        assert len(kinds) >= 4, kinds
-    # add (f32), mul, max, min and add (i32): five distinct combiners, none merged
-    assert len(lower._PLAIN_JAXPRS) == 5, list(lower._PLAIN_JAXPRS)
+                                              err_msg=f"{n}x{k}: replica {r}, output {j}")
+    # add (f32), mul, max, min and add (i32): five distinct combiners, none merged, for
+    # each of the four meshes
+    assert len(lower._PLAIN_JAXPRS) == 5 * 4, len(lower._PLAIN_JAXPRS)
