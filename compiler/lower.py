@@ -286,7 +286,7 @@ def _rebuild(ref: RegionRef, op: Op) -> Any:
     jaxpr = _trace_region(ref, op, region)
     if key is not None:
         if len(_PLAIN_JAXPRS) >= _PLAIN_JAXPRS_SIZE:
-            _PLAIN_JAXPRS.pop(next(iter(_PLAIN_JAXPRS)), None)
+            _PLAIN_JAXPRS.clear()  # (one step: safe while another thread lowers)
         _PLAIN_JAXPRS[key] = jaxpr
     return jaxpr
 

@@ -342,9 +342,10 @@ class DynamicPath:
             # kept for later calls only when the full plan chose the buckets the quick
             # pass did (a bucketing callable that is not a function of the size: never)
             if quick is not None and plan.buckets == buckets:
-                if len(self.planned) >= PLAN_MEMO_SIZE:
-                    self.planned.pop(next(iter(self.planned)), None)
-                self.planned[qkey] = plan
+                with self.lock:  # (another thread may be storing its plan)
+                    if len(self.planned) >= PLAN_MEMO_SIZE:
+                        self.planned.pop(next(iter(self.planned)), None)
+                    self.planned[qkey] = plan
         else:
             self.rep._cache.count_fast_hit()
         if log.isEnabledFor(logging.INFO):

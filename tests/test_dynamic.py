@@ -574,3 +574,33 @@ def test_host_put_matches_device_put(dtype):
         # another shape than the one it was made for: jax.device_put's answer, not a misfit
         y = np.ones((shape[0] * 2,) + shape[1:], dtype)
         np.testing.assert_array_equal(np.asarray(put(y)), y.astype(want.dtype))
+
+
+def test_concurrent_calls_keep_their_own_sizes(monkeypatch):
+    """Threads calling one dynamic step at once, with sizes inside planned buckets, new
+    buckets and a plan memo small enough to evict: each call's results are its own
+    (checked against jax.jit per replica), whatever the others were doing."""
+    import threading
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "PLAN_MEMO_SIZE", 2)
+    step = rt.replicate(_mlp_step, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
+    w = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32)
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(6):
+                sizes = rng.integers(1, 20, size=N)
+                xs = [rng.normal(size=(s, 6)).astype(np.float32) for s in sizes]
+                ys = [rng.normal(size=(s, 3)).astype(np.float32) for s in sizes]
+                _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
+        except Exception as e:  # noqa: BLE001 - reported below with its thread
+            errors.append((seed, e))
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(step._dynamic.planned) <= 2
