@@ -181,6 +181,13 @@ def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[Leaf
     return graph, t2 - t0
 
 
+def global_shape(shape: tuple, num_replicas: int) -> tuple:
+    """The global shape of a varying value whose per-replica shape is ``shape``: the
+    replicas' values concatenated along axis 0, scalars stacked into an ``(N,)`` vector
+    (the layout :func:`global_spec` names)."""
+    return (num_replicas * shape[0],) + tuple(shape[1:]) if shape else (num_replicas,)
+
+
 def global_spec(varying: bool, rank: int) -> P:
     """How a flat input or output is laid out across replicas: varying values are
     concatenated along axis 0 (scalars are stacked), mirrored ones are replicated."""

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import source_info_util as _siu
 from jax._src.lib import xla_client as _xc
@@ -129,7 +130,6 @@ def user_location(eqn: Any) -> tuple[str, int] | None:
 
 def traceback_filtering(mode: str):
     """Context manager: JAX's traceback filtering (``"off"`` keeps JAX's own frames)."""
-    from jax._src import config as _config
     return _config.traceback_filtering(mode)
 
 
@@ -350,7 +350,6 @@ def trace_context() -> tuple:
     """What a jaxpr traced now depends on besides its function and avals: JAX's trace
     context (the config options that change tracing) and the abstract mesh (which avals
     carry), as one hashable key; JAX keys its own trace caches on the first."""
-    from jax._src import config as _config
     return (_config.trace_context(), jax.sharding.get_abstract_mesh())
 
 
@@ -517,7 +516,6 @@ _VJP_POLICY = None
 def _grad_mode_state():
     global _GRAD_MODE
     if _GRAD_MODE is None:
-        from jax._src import config as _config
         _GRAD_MODE = _config.enum_state(
             "replicate_hlo_grad_mode", ["off", "replica", "backward"], "off",
             help="replicate-hlo: 'replica' while a replica's step is traced (pullbacks "

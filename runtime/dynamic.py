@@ -56,7 +56,7 @@ import numpy as np
 
 from compiler.lower import build_jitted
 from compiler.pass_manager import PassManager, parse_pipeline
-from compiler.trace import LeafSpec, trace_replica_fn
+from compiler.trace import LeafSpec, global_shape, trace_replica_fn
 from ir import _jax_compat as jc
 from ir.graph import Graph, Value
 from ir.types import Replica, SymDim, TensorType
@@ -356,8 +356,8 @@ class DynamicPath:
     def _quick(self, leaves: list, treedef: Any, statics: tuple) -> tuple | None:
         """``(key, sizes, buckets)`` of a call, read off its shapes in one pass, when every
         per-replica value is an array or a pytree of arrays and no ``maximum_shapes`` is
-        set; ``None`` otherwise,
-        and for anything :meth:`plan` would reject (which then says why). The key holds
+        set; ``None`` otherwise, and for anything :meth:`plan` would reject (which then
+        says why). The key holds
         everything the plan depends on but the exact sizes: the argument structure,
         the mirrored leaves' signatures, per per-replica leaf its rank, dtype, static
         dims and dynamic axes, and the buckets."""
@@ -590,7 +590,7 @@ class DynamicPath:
             shape = tuple(buckets[d.name] if isinstance(d, SymDim) else
                           (buckets[str(d)] if not isinstance(d, int) else d) for d in s.shape)
             if s.varying:
-                shape = (n * shape[0],) + shape[1:] if shape else (n,)
+                shape = global_shape(shape, n)
             gavals.append(jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type))
         prog = Program(rep, pm.records, jitted, jitted.lower(*gavals), in_layout, out_td,
                         out_varying, out_ranks)
@@ -671,7 +671,7 @@ class _Plan:
                 dtypes.append(None)
                 continue
             for shape, dtype, _ in pad[1]:
-                shapes.append((n * shape[0],) + tuple(shape[1:]) if shape else (n,))
+                shapes.append(global_shape(shape, n))
                 dtypes.append(dtype)
         self.puts = tuple(None if shape is None else jc.HostPut(sh, shape, dtype)
                           for sh, shape, dtype in zip(shardings, shapes, dtypes))
@@ -694,7 +694,7 @@ def _pad_host(arrs: list, shape: tuple, dtype: Any, n: int) -> np.ndarray:
         else:
             buf[r] = 0
             buf[(r,) + tuple(slice(0, d) for d in a.shape)] = a
-    return buf.reshape((n * shape[0],) + shape[1:]) if shape else buf
+    return buf.reshape(global_shape(shape, n))
 
 
 def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tuple) -> PerReplica:

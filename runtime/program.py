@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from compiler.lower import build_jitted
 from compiler.pass_manager import PassManager, parse_pipeline
-from compiler.trace import LeafSpec, trace_replica_fn
+from compiler.trace import LeafSpec, global_shape, trace_replica_fn
 from ir import _jax_compat as jc
 from ir.jaxpr_import import REPLICA_AXIS
 from ir.types import Replica
@@ -424,9 +424,7 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
                           out_tree=out_info["treedef"] if entry else None)
     gavals = []
     for s in specs:
-        shape = s.shape
-        if s.varying:
-            shape = (n * shape[0],) + tuple(shape[1:]) if shape else (n,)
+        shape = global_shape(s.shape, n) if s.varying else s.shape
         gavals.append(jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type))
     t0 = time.perf_counter()
     traced = jitted.trace(*(treedef.unflatten(gavals) if entry else gavals))
