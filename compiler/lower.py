@@ -139,20 +139,36 @@ class _Sharing:
         self.calls: dict[RegionKey, int] = {}
         self.fns: dict[RegionKey, Any] = {}
         self._canon: dict[RegionKey, RegionKey] = {}
+        self._graph_keys: dict[int, tuple | None] = {}  # by id(region): regions are shared
         self._count(graph)
 
     def _count(self, graph: Graph) -> None:
         for op in graph.ops:
             if op.name in _SHARABLE:
-                key = region_key(op)
+                key = self._region_key(op)
                 if key is not None:
                     # one deep comparison per repeat; every later look-up of the key
                     # (here, and at each call in ``_call``) is then by identity
                     key = self._canon.setdefault(key, key)
                     self.calls[key] = self.calls.get(key, 0) + 1
                 self.keys[id(op)] = key
-            for region in op.regions:
+            for region in op.regions:  # (a shared region's calls count at each use)
                 self._count(region)
+
+    def _region_key(self, op: Op) -> RegionKey | None:
+        """:func:`region_key`, with a region that several ops share keyed once."""
+        region = op.regions[0]
+        gk = self._graph_keys.get(id(region), _MISSING)
+        if gk is _MISSING:
+            try:
+                gk = _graph_key(region)
+            except (_Unkeyable, TypeError, KeyError):
+                gk = None
+            self._graph_keys[id(region)] = gk
+        return None if gk is None else RegionKey((op.loc, gk))
+
+
+_MISSING = object()
 
 
 #: the sharing state of the graph ``build_jitted`` is lowering (``None`` outside it)

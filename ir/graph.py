@@ -6,6 +6,12 @@ tuple of output values. Passes never mutate a graph: they build a new one with
 :meth:`Graph.replace` (or a :class:`Rewriter`). Values are compared by identity; their
 printed names (``%3``) are assigned by the printer in definition order, so nothing
 depends on a global counter.
+
+Regions are isolated (they read only their inputs), so several ops may hold the same
+region object: the importer gives every call of one jaxpr the same region (a step that
+calls ``jnp.var`` in 32 layers holds one ``_var`` region, not 32 copies). Code that walks
+regions sees each op's region as its own and gets the same results as with copies; a pass
+that rewrites regions does each (region, context) once through a :class:`RegionMemo`.
 """
 from __future__ import annotations
 
@@ -204,6 +210,27 @@ def _replace(obj: Any, fields: tuple[str, ...], changes: Mapping[str, Any]) -> A
     for f in fields:
         _set(new, f, changes[f] if f in changes else getattr(obj, f))
     return new
+
+
+class RegionMemo:
+    """What a pass made of each region, by the region's identity and the context it was
+    rewritten in (the input variances, an enclosing transpose...): a region that several
+    ops share is rewritten once per context, and the new ops share the result. The
+    context must hold everything the rewrite reads besides the region itself. Entries
+    keep their region alive, so its id is not reused while the memo lives (one pass)."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, tuple[Graph, Any]] = {}
+
+    def get(self, region: Graph, context: Any, make: Callable[[], Any]) -> Any:
+        """``make()``'s result for ``region`` in ``context``, computed once."""
+        key = (id(region), context)
+        hit = self._done.get(key)
+        if hit is None:
+            hit = self._done[key] = (region, make())
+        return hit[1]
 
 
 class Rewriter:

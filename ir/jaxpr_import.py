@@ -76,13 +76,20 @@ def _type(shape: tuple, dtype: Any, weak: bool, replica: Replica | None) -> Tens
 
 
 class _Importer:
-    def __init__(self, fallback: Loc | None = None, axis: str = REPLICA_AXIS) -> None:
+    def __init__(self, fallback: Loc | None = None, axis: str = REPLICA_AXIS,
+                 regions: dict[tuple, tuple[Any, Graph]] | None = None) -> None:
         self.env: dict[Any, Value] = {}
         #: the replica axis's name in the traced program (renamed ``REPLICA_AXIS`` here)
         self.axis = axis
         #: the location of the op whose region this is: the user's line for the ops of
         #: a library call (``jnp.flip`` is a jitted function) that have none of their own
         self.fallback = fallback
+        #: the regions imported so far, shared by the whole import: by the jaxpr object
+        #: (JAX traces a jitted function once per signature, so a step that calls
+        #: ``jnp.var`` in 32 layers holds one ``_var`` jaxpr 32 times), whether it is
+        #: closed, and the fallback location (the only context an import depends on);
+        #: each entry keeps its jaxpr alive, so the id is not reused
+        self.regions = {} if regions is None else regions
 
     def read(self, atom: Any, ops: list[Op]) -> Value:
         if isinstance(atom, jc.Literal):
@@ -120,11 +127,21 @@ class _Importer:
         return Graph(tuple(inputs), tuple(ops), tuple(outputs), name)
 
     def region(self, param: Any, closed: bool, loc: Loc | None = None) -> Graph:
+        """The region of a jaxpr-valued parameter. One jaxpr met again (in the same
+        context) gives the same :class:`Graph` object: the IR is immutable and regions
+        are isolated, so ops may share a region, and the passes and the lowering then
+        work on it once (``ir.graph.RegionMemo``)."""
+        fallback = loc if loc is not None and loc.line else self.fallback
+        key = (id(param), closed, fallback)
+        hit = self.regions.get(key)
+        if hit is not None:
+            return hit[1]
         jaxpr, consts = jc.jaxpr_parts(param)
         if not closed and (consts or jaxpr.constvars):
             raise ImportError_("open jaxpr parameters with constvars are not supported")
-        return _Importer(loc if loc is not None and loc.line else self.fallback,
-                         self.axis).graph(jaxpr, consts, "region")
+        region = _Importer(fallback, self.axis, self.regions).graph(jaxpr, consts, "region")
+        self.regions[key] = (param, region)
+        return region
 
     def eqn(self, eqn: Any, ops: list[Op]) -> None:
         operands = tuple(self.read(a, ops) for a in eqn.invars)

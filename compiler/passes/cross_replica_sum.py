@@ -39,7 +39,7 @@ import numpy as np
 
 from compiler.errors import PassError
 from ir import _jax_compat as jc
-from ir.graph import Graph, Loc, Op, Rewriter, Value
+from ir.graph import Graph, Loc, Op, RegionMemo, Rewriter, Value
 from ir.types import Replica, TensorType
 
 
@@ -113,7 +113,7 @@ class CrossReplicaSumPass:
             raise PassError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
 
     def apply(self, graph: Graph) -> Graph:
-        graph = self._rewrite(graph)
+        graph = self._rewrite(graph, False, RegionMemo())
         if self.bucket_bytes > 0:
             graph = self._bucket(graph)
         return graph
@@ -123,7 +123,9 @@ class CrossReplicaSumPass:
         reduction = -1 if self.loss_reduction == "mean" else 0
         return int(op.attr("replicas", 0)) + reduction * int(op.attr("reduction", 0))
 
-    def _rewrite(self, graph: Graph, enclosing: bool = False) -> Graph:
+    def _rewrite(self, graph: Graph, enclosing: bool, memo: RegionMemo) -> Graph:
+        """``graph`` (a region: inside a transposed op when ``enclosing``) rewritten; a
+        region several ops share is rewritten once per ``enclosing``."""
         rw = Rewriter(graph)
         users = graph.users()
         producers = graph.producers()
@@ -139,7 +141,9 @@ class CrossReplicaSumPass:
                         rw.add(new)
                 continue
             if op.regions:
-                op = op.replace(regions=tuple(self._rewrite(g, is_t) for g in op.regions))
+                op = op.replace(regions=tuple(
+                    memo.get(g, is_t, lambda g=g: self._rewrite(g, is_t, memo))
+                    for g in op.regions))
             if op.name == "all_reduce" and op.attr("reduce") == "sum":
                 if is_t:
                     op = op.with_attrs(gradient=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ir.graph import Graph, Op, Value
+from ir.graph import Graph, Op, RegionMemo, Value
 
 EFFECTFUL = frozenset({"debug_callback", "io_callback", "debug_print", "callback",
                        "outside_call", "infeed", "outfeed",
@@ -16,20 +16,28 @@ EFFECTFUL = frozenset({"debug_callback", "io_callback", "debug_print", "callback
                        "swap", "addupdate", "mutable_array", "ref_swap", "ref_addupdate"})
 
 
-def has_effect(op: Op) -> bool:
+def has_effect(op: Op, memo: RegionMemo | None = None) -> bool:
     """Does ``op`` (or any op nested in its regions) have a side effect?"""
     if op.name in EFFECTFUL or not op.results:
         return True
-    return any(has_effect(inner) for region in op.regions for inner in region.ops)
+    if not op.regions:
+        return False
+    memo = RegionMemo() if memo is None else memo
+    return any(memo.get(region, "effect",
+                        lambda region=region: any(has_effect(o, memo) for o in region.ops))
+               for region in op.regions)
 
 
-def dce(graph: Graph) -> Graph:
+def dce(graph: Graph, memo: RegionMemo | None = None) -> Graph:
+    """``graph`` without dead ops (a region several ops share is cleaned once)."""
+    memo = RegionMemo() if memo is None else memo
     live: set[Value] = set(graph.outputs)
     kept = []
     for op in reversed(graph.ops):
-        if any(r in live for r in op.results) or has_effect(op):
+        if any(r in live for r in op.results) or has_effect(op, memo):
             if op.regions:
-                op = op.replace(regions=tuple(dce(g) for g in op.regions))
+                op = op.replace(regions=tuple(memo.get(g, "dce", lambda g=g: dce(g, memo))
+                                              for g in op.regions))
             kept.append(op)
             live.update(op.operands)
     return graph.replace(ops=tuple(reversed(kept)))

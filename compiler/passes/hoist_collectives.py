@@ -35,7 +35,7 @@ import numpy as np
 from compiler.errors import DivergentCollectiveError
 from compiler.passes.cross_replica_sum import transposed
 from compiler.passes.replication import annotate
-from ir.graph import Graph, Op, Rewriter, Value
+from ir.graph import Graph, Op, RegionMemo, Rewriter, Value
 from ir.jaxpr_import import REPLICA_AXIS
 from ir.types import Replica
 
@@ -312,7 +312,7 @@ class HoistCollectivesPass:
     def apply(self, graph: Graph) -> Graph:
         in_reps = [v.type.replica or Replica.VARYING for v in graph.inputs]
         self._why.clear()
-        new, changed = self._rewrite(graph, False)
+        new, changed = self._rewrite(graph, False, RegionMemo())
         if changed:
             new = annotate(new, in_reps)[0]
         try:
@@ -324,7 +324,10 @@ class HoistCollectivesPass:
                                            f"taken out of the branch: {self._why[0]}") from None
         return new
 
-    def _rewrite(self, graph: Graph, enclosing: bool) -> tuple[Graph, bool]:
+    def _rewrite(self, graph: Graph, enclosing: bool,
+                 memo: RegionMemo) -> tuple[Graph, bool]:
+        """``graph`` with the conds it can hoist hoisted, and whether anything changed;
+        a region several ops share is rewritten once per ``enclosing``."""
         rw = Rewriter(graph)
         changed = False
         for op in graph.ops:
@@ -332,7 +335,8 @@ class HoistCollectivesPass:
             if op.regions:
                 regions = []
                 for region in op.regions:
-                    r, c = self._rewrite(region, is_t)
+                    r, c = memo.get(region, is_t,
+                                    lambda g=region: self._rewrite(g, is_t, memo))
                     regions.append(r)
                     changed |= c
                 op = op.replace(regions=tuple(regions))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ir.graph import Graph, Op, Value
+from ir.graph import Graph, Op, RegionMemo, Value
 from ir.types import Replica
 
 V, M = Replica.VARYING, Replica.MIRRORED
@@ -83,8 +83,20 @@ def _default_rule(reps: list[Replica], op: Op) -> list[Replica]:
     return [V if t else M for t in traced]
 
 
-def annotate(graph: Graph, in_reps: list[Replica]) -> tuple[Graph, list[Replica]]:
-    """Retype ``graph`` with the given input variances; return it and its output variances."""
+def annotate(graph: Graph, in_reps: list[Replica],
+             memo: RegionMemo | None = None) -> tuple[Graph, list[Replica]]:
+    """Retype ``graph`` with the given input variances; return it and its output variances.
+    A region shared by several ops is retyped once per input variances (``memo``)."""
+    return _annotate(graph, in_reps, RegionMemo() if memo is None else memo)
+
+
+def _region(memo: RegionMemo, g: Graph, reps: list[Replica]) -> tuple[Graph, list[Replica]]:
+    new, outs = memo.get(g, tuple(reps), lambda: _annotate(g, reps, memo))
+    return new, list(outs)  # (a list of the caller's own)
+
+
+def _annotate(graph: Graph, in_reps: list[Replica],
+              memo: RegionMemo) -> tuple[Graph, list[Replica]]:
     rep: dict[Value, Replica] = dict(zip(graph.inputs, in_reps))
     new_vals: dict[Value, Value] = {}
     inputs = []
@@ -97,7 +109,7 @@ def annotate(graph: Graph, in_reps: list[Replica]) -> tuple[Graph, list[Replica]
         reps = [rep[v] for v in op.operands]
         regions = op.regions
         if op.regions:
-            out_reps, regions = _region_rule(op, reps)
+            out_reps, regions = _region_rule(op, reps, memo)
         else:
             rule = RULES.get(op.name, _default_rule)
             out_reps = rule(reps, op)
@@ -124,17 +136,18 @@ def _fixpoint(run: Callable[[list[Replica]], tuple[list[Graph], list[Replica]]],
         carry = merged
 
 
-def _region_rule(op: Op, reps: list[Replica]) -> tuple[list[Replica], list[Graph]]:
+def _region_rule(op: Op, reps: list[Replica],
+                 memo: RegionMemo) -> tuple[list[Replica], list[Graph]]:
     a = op.attr_dict
     if op.name == "scan":
         nc, ncarry = a["num_consts"], a["num_carry"]
         consts, carry, xs = reps[:nc], reps[nc:nc + ncarry], reps[nc + ncarry:]
 
         def run(c):
-            g, outs = annotate(op.regions[0], consts + c + xs)
+            g, outs = _region(memo, op.regions[0], consts + c + xs)
             return [g], outs[:ncarry]
         regions, carry = _fixpoint(run, carry)
-        _, outs = annotate(op.regions[0], consts + carry + xs)
+        _, outs = _region(memo, op.regions[0], consts + carry + xs)
         return carry + outs[ncarry:], regions
     if op.name == "while":
         cn, bn = a["cond_nconsts"], a["body_nconsts"]
@@ -142,8 +155,8 @@ def _region_rule(op: Op, reps: list[Replica]) -> tuple[list[Replica], list[Graph
         cond_i, body_i = a["cond_jaxpr"].index, a["body_jaxpr"].index
 
         def run(c):
-            cg, cout = annotate(op.regions[cond_i], cconsts + c)
-            bg, bout = annotate(op.regions[body_i], bconsts + c)
+            cg, cout = _region(memo, op.regions[cond_i], cconsts + c)
+            bg, bout = _region(memo, op.regions[body_i], bconsts + c)
             if cout[0] is V:  # replicas may run different trip counts
                 bout = [V] * len(bout)
             regs = [None, None]
@@ -155,7 +168,7 @@ def _region_rule(op: Op, reps: list[Replica]) -> tuple[list[Replica], list[Graph
         index, args = reps[0], reps[1:]
         regions, outs = [], [M] * len(op.results)
         for g in op.regions:
-            ng, o = annotate(g, args)
+            ng, o = _region(memo, g, args)
             regions.append(ng)
             outs = [_any([x, y]) for x, y in zip(outs, o)]
         if index is V:
@@ -166,11 +179,11 @@ def _region_rule(op: Op, reps: list[Replica]) -> tuple[list[Replica], list[Graph
     outs = [_any(reps)] * len(op.results)
     for i, g in enumerate(op.regions):
         if len(g.inputs) == len(reps):
-            ng, o = annotate(g, reps)
+            ng, o = _region(memo, g, reps)
             if i == 0 and len(o) == len(op.results):
                 outs = o
         else:  # unknown calling convention: be conservative inside too
-            ng, _ = annotate(g, [_any(reps)] * len(g.inputs))
+            ng, _ = _region(memo, g, [_any(reps)] * len(g.inputs))
         regions.append(ng)
     return outs, regions
 

@@ -56,7 +56,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ir import _jax_compat as jc
-from ir.graph import Graph, Op, Opaque, Value
+from ir.graph import Graph, Op, Opaque, RegionMemo, Value
 from ir.printer import value_names
 from ir.types import Sharding
 
@@ -813,7 +813,9 @@ class ShardingPass:
         return root.emit(names)
 
 
-def _all_replicated(graph: Graph) -> Graph:
+def _all_replicated(graph: Graph, memo: RegionMemo | None = None) -> Graph:
+    """``graph`` with every value typed replicated (K = 1); a shared region once."""
+    memo = RegionMemo() if memo is None else memo
     new: dict[Value, Value] = {}
 
     def retype(v: Value) -> Value:
@@ -826,7 +828,8 @@ def _all_replicated(graph: Graph) -> Graph:
     for op in graph.ops:
         new_op = op.with_values(tuple([new[v] for v in op.operands]),
                                 tuple([retype(r) for r in op.results]),
-                                tuple([_all_replicated(g) for g in op.regions]))
+                                tuple([memo.get(g, None, lambda g=g: _all_replicated(g, memo))
+                                       for g in op.regions]))
         if any(a == CONFLICT_ATTR for a, _ in op.attrs):
             new_op = new_op.replace(attrs=tuple((a, b) for a, b in op.attrs if a != CONFLICT_ATTR))
         ops.append(new_op)

@@ -1,0 +1,187 @@
+"""Regions shared by several ops (``ir/graph.py``: ``RegionMemo``; ``ir/jaxpr_import.py``).
+
+The importer gives every call of one jaxpr the same region object (a step that calls
+``jnp.var`` in 32 layers holds one ``_var`` region), and each pass rewrites a shared
+region once per context. What would make this silently wrong is a pass that reuses one
+context's rewrite in another: a region typed for varying inputs reused where its inputs
+are mirrored (the step's output then taken from replica 0 alone), or an all-reduce marked
+as a gradient's where it is not. Oracles: the types and attributes each op's own copy
+gets (hand-built graphs that share a region, against the same graph with copies), and
+``jax.jit`` of the per-replica function for the numbers.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import runtime as rt
+from compiler.pass_manager import PassManager, parse_pipeline
+from compiler.passes.cross_replica_sum import CrossReplicaSumPass
+from compiler.passes.dce import DCEPass
+from compiler.passes.replication import ReplicationPass
+from ir.graph import Graph, RegionMemo
+from ir.parser import parse
+from ir.printer import print_graph
+from ir.types import Replica
+from tests.irtest import check_roundtrip
+
+V, M = Replica.VARYING, Replica.MIRRORED
+
+
+def _share(graph: Graph) -> Graph:
+    """``graph`` with every op that has regions holding the first such op's regions."""
+    ops = [op for op in graph.ops if op.regions]
+    first = ops[0].regions
+    return graph.replace(ops=tuple(op.replace(regions=first) if op.regions else op
+                                   for op in graph.ops))
+
+
+def _distinct_regions(graph: Graph) -> int:
+    return len({id(g) for op, _ in graph.walk() for g in op.regions})
+
+
+_TWO_CALLS = """func @main(%0: f32[4] mirrored, %1: f32[4] varying) {
+  %2: f32[4] = jit(%1) {jaxpr=^0, name='f'}  # a.py:3
+    ^0(%3: f32[4]):
+      %4: f32[4] = tanh(%3)  # a.py:1
+      return %4
+  %5: f32[4] = jit(%0) {jaxpr=^0, name='f'}  # a.py:4
+    ^0(%6: f32[4]):
+      %7: f32[4] = tanh(%6)  # a.py:1
+      return %7
+  return %2, %5
+}"""
+
+
+def test_replication_types_a_shared_region_per_context():
+    copies = parse(_TWO_CALLS)
+    shared = _share(copies)
+    assert _distinct_regions(shared) == 1
+    check_roundtrip(shared)  # prints each use as its own region; parses back to copies
+    assert print_graph(shared) == print_graph(copies)
+    out = ReplicationPass().apply(shared)
+    assert print_graph(out) == print_graph(ReplicationPass().apply(copies))
+    a, b = out.ops
+    assert [v.type.replica for v in a.regions[0].inputs + a.results] == [V, V]
+    assert [v.type.replica for v in b.regions[0].inputs + b.results] == [M, M]
+    assert [v.type.replica for v in out.outputs] == [V, M]
+
+
+def test_replication_keeps_a_region_shared_in_one_context():
+    text = _TWO_CALLS.replace("jit(%0)", "jit(%1)")
+    out = ReplicationPass().apply(_share(parse(text)))
+    assert _distinct_regions(out) == 1  # one rewrite, held by both ops
+    assert [v.type.replica for v in out.outputs] == [V, V]
+
+
+_GRADIENT_AND_NOT = """func @main(%0: f32[4] varying) {
+  %1: f32[4] varying = jit(%0) {jaxpr=^0, name='f'}  # a.py:3 [transpose(jvp(loss))]
+    ^0(%2: f32[4] varying):
+      %3: f32[4] mirrored = all_reduce(%2) {reduce='sum', axes=('replica',)}  # a.py:1
+      return %3
+  %4: f32[4] varying = jit(%0) {jaxpr=^0, name='f'}  # a.py:4
+    ^0(%5: f32[4] varying):
+      %6: f32[4] mirrored = all_reduce(%5) {reduce='sum', axes=('replica',)}  # a.py:1
+      return %6
+  return %1, %4
+}"""
+
+
+def test_cross_replica_sum_marks_gradients_per_context():
+    copies = parse(_GRADIENT_AND_NOT)
+    shared = _share(copies)
+    p = CrossReplicaSumPass(num_replicas=2)
+    out = p.apply(shared)
+    assert print_graph(out) == print_graph(p.apply(copies))
+    grad, plain = (op.regions[0].ops[0] for op in out.ops)
+    assert grad.attr("gradient") is True
+    assert plain.attr("gradient") is None
+    assert _distinct_regions(out) == 2
+
+
+_DEAD_AND_EFFECT = """func @main(%0: f32[4] varying) {
+  %1: f32[4] varying = jit(%0) {jaxpr=^0, name='f'}  # a.py:3
+    ^0(%2: f32[4] varying):
+      %3: f32[4] varying = tanh(%2)  # a.py:1
+      %4: f32[4] varying = exp(%2)  # a.py:1
+      return %3
+  %5: f32[4] varying = jit(%0) {jaxpr=^0, name='f'}  # a.py:4
+    ^0(%6: f32[4] varying):
+      %7: f32[4] varying = tanh(%6)  # a.py:1
+      %8: f32[4] varying = exp(%6)  # a.py:1
+      return %7
+  return %5
+}"""
+
+
+def test_dce_cleans_a_shared_region_once_and_drops_a_dead_call():
+    out = DCEPass().apply(_share(parse(_DEAD_AND_EFFECT)))
+    assert len(out.ops) == 1  # the dead call is gone, the live one cleaned inside
+    assert [op.name for op in out.ops[0].regions[0].ops] == ["tanh"]
+    check_roundtrip(out)
+
+
+def test_region_memo_is_per_region_and_context():
+    a, b = parse(_TWO_CALLS).ops[0].regions[0], parse(_TWO_CALLS).ops[0].regions[0]
+    memo, made = RegionMemo(), []
+
+    def make(tag):
+        made.append(tag)
+        return tag
+
+    assert memo.get(a, V, lambda: make("aV")) == "aV"
+    assert memo.get(a, V, lambda: make("again")) == "aV"
+    assert memo.get(a, M, lambda: make("aM")) == "aM"
+    assert memo.get(b, V, lambda: make("bV")) == "bV"  # equal text, another region
+    assert made == ["aV", "aM", "bV"]
+
+
+# -- from a trace -------------------------------------------------------------------------
+def _norm(x):
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def _layers(w, x):
+    def loss(w):
+        h = x
+        for _ in range(4):  # jnp.var's ``_var`` (a jit), forward and backward, 4 times each
+            h = jnp.tanh(_norm(h) @ w)
+        return jnp.mean(h ** 2)
+    return jax.value_and_grad(loss)(w)
+
+
+def test_a_traced_step_imports_one_region_per_jaxpr_and_the_passes_keep_it_shared():
+    rng = np.random.default_rng(0)
+    w = (rng.normal(size=(5, 5)) * 0.5).astype(np.float32)
+    xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
+    step = rt.replicate(_layers, num_replicas=2, options=rt.RunOptions(verify="each"))
+    lowered = step.lower(w, rt.PerReplica(xs))
+    calls = {name: [op for op, _ in lowered.ir(name).walk() if op.name in ("jit", "pjit")]
+             for name in lowered.pass_names}
+    n_calls = len(calls["import"])
+    assert n_calls >= 8
+    imported = len({id(op.regions[0]) for op in calls["import"]})
+    assert imported < n_calls // 2  # the same jaxpr: the same region
+    for name, ops in calls.items():
+        assert len(ops) == n_calls, name
+        assert len({id(op.regions[0]) for op in ops}) == imported, name
+    # the numbers: each replica's loss and gradient as jax.jit computes them
+    loss, grad = step(w, rt.PerReplica(xs))
+    ref = [jax.jit(_layers)(w, x) for x in xs]
+    for r in range(2):
+        np.testing.assert_allclose(np.asarray(loss.values[r]), np.asarray(ref[r][0]),
+                                   rtol=1e-5, atol=1e-6)
+    # the gradient of a mirrored weight: the mean of the replicas' (loss_reduction="mean")
+    np.testing.assert_allclose(np.asarray(grad), np.mean([np.asarray(g) for _, g in ref], 0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_on_a_shared_graph_equals_the_pipeline_on_copies():
+    copies = parse(_TWO_CALLS)
+    outs = []
+    for g in (copies, _share(copies)):
+        pm = PassManager(parse_pipeline("replication,cross-replica-sum,sharding,dce",
+                                        num_replicas=2), verify="each")
+        outs.append(print_graph(pm.run(g)))
+    assert outs[0] == outs[1]
