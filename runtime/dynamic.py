@@ -592,8 +592,8 @@ class DynamicPath:
             if s.varying:
                 shape = global_shape(shape, n)
             gavals.append(jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type))
-        prog = Program(rep, pm.records, jitted, jitted.lower(*gavals), in_layout, out_td,
-                        out_varying, out_ranks)
+        prog = Program(rep, pm.records, jitted.lower(*gavals), in_layout, out_td,
+                       out_varying, out_ranks)
         prog.key = key
         # which axes of each output are padded (symbol per axis), from the symbolic graph
         prog.dyn_out_pad = [{a: d.name for a, d in enumerate(v.type.shape) if isinstance(d, SymDim)}

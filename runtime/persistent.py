@@ -496,7 +496,7 @@ def _restore(owner: Any, rec: dict[str, Any]) -> Any:
     compiled = se.deserialize_and_load(rec["executable"], rec["in_tree"], rec["out_tree"],
                                        execution_devices=list(owner.mesh.devices.flat))
     records = [PassRecord(name, seconds, _LazyGraph(text)) for name, seconds, text in rec["records"]]
-    prog = Program(owner, records, None, None, rec["in_layout"], rec["out_treedef"],
+    prog = Program(owner, records, None, rec["in_layout"], rec["out_treedef"],
                    rec["out_varying"], rec["out_ranks"], entry_tree=rec.get("entry_tree"))
     prog.key = rec["key"]
     prog.donated = tuple(rec.get("donated", ()))

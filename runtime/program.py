@@ -239,11 +239,12 @@ class Program:
     takes flat leaves, per-replica ones as global arrays). ``hit``: once compiled, the
     C++ callable a cache hit may use directly with the caller's arguments (or ``None``)."""
 
-    def __init__(self, owner: Any, records, jitted, jax_lowered, in_layout, out_treedef,
+    def __init__(self, owner: Any, records, jax_lowered, in_layout, out_treedef,
                  out_varying, out_ranks, entry_tree: Any = None):
+        # (not the ``jax.jit`` function lowered: JAX's trace cache would keep the second
+        # trace's jaxpr alive, ~5 objects per IR op, for as long as the program lives)
         self.owner = owner
         self.records = records
-        self.jitted = jitted
         self.jax_lowered = jax_lowered
         self.jax_compiled = None
         self.in_layout = in_layout      # per arg leaf: None (mirrored) or (inner_treedef, ranks)
@@ -431,7 +432,7 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
     t1 = time.perf_counter()
     jax_lowered = traced.lower()
     t2 = time.perf_counter()
-    prog = Program(rep, pm.records, jitted, jax_lowered, in_layout, out_info["treedef"],
+    prog = Program(rep, pm.records, jax_lowered, in_layout, out_info["treedef"],
                    out_varying, out_ranks, entry_tree=treedef if entry else None)
     # the IR evaluated once more under jax.jit (the second trace), then JAX's lowering
     prog.lower_times = {"retrace (IR under jax.jit)": t1 - t0, "lower to StableHLO": t2 - t1}
