@@ -185,3 +185,54 @@ def test_pipeline_on_a_shared_graph_equals_the_pipeline_on_copies():
                                         num_replicas=2), verify="each")
         outs.append(print_graph(pm.run(g)))
     assert outs[0] == outs[1]
+
+
+@jax.jit
+def _skippable_block(h, u, gate):
+    """Stochastic depth (tests/test_semantics.py's case) as one jitted block: the
+    replicas whose gate is off skip it, so its weight's gradient all-reduce sits in a
+    per-replica branch of the transposed block until hoist-collectives takes it out."""
+    return jax.lax.cond(gate > 0, lambda h: h + jnp.tanh(h @ u), lambda h: h, h)
+
+
+def _two_blocks(w, u, x):
+    def loss(w, u):
+        h = x @ w
+        h = _skippable_block(h, u, x[0, 0])  # the same jaxpr twice: one shared region
+        h = _skippable_block(h, u, x[0, 1])
+        return jnp.mean(h ** 2)
+    return jax.grad(loss, argnums=(0, 1))(w, u)
+
+
+def test_gradient_hoisted_out_of_a_shared_block_matches_each_replica():
+    rng = np.random.default_rng(5)
+    w, u = rng.normal(size=(3, 2)).astype(np.float32), rng.normal(size=(2, 2)).astype(np.float32)
+    xs = [rng.normal(size=(2, 3)).astype(np.float32) for _ in range(4)]
+    for r, gates in enumerate([(1.0, 1.0), (1.0, -1.0), (-1.0, 1.0), (-1.0, -1.0)]):
+        xs[r][0, :2] = gates  # every combination of the two blocks run or skipped
+    step = rt.replicate(_two_blocks, num_replicas=4, options=rt.RunOptions(verify="each"))
+    gw, gu = step(w, u, rt.PerReplica(xs))
+    want = [jax.jit(_two_blocks)(w, u, x) for x in xs]  # each replica's own program
+    np.testing.assert_allclose(gw, np.mean([g[0] for g in want], 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gu, np.mean([g[1] for g in want], 0), rtol=1e-5, atol=1e-6)
+    # JAX traces each call's linearized block afresh, so share the equal ones by hand:
+    # the pipeline must give the text it gives the copies (hoisting included)
+    imported = step.lower(w, u, rt.PerReplica(xs)).ir("import")
+    by_text: dict[str, tuple] = {}
+    ops = []
+    for op in imported.ops:
+        if op.name in ("jit", "pjit"):
+            op = op.replace(regions=by_text.setdefault(print_graph(op.regions[0]), op.regions))
+        ops.append(op)
+    shared = imported.replace(ops=tuple(ops))
+    assert _distinct_regions(shared) < _distinct_regions(imported)
+    texts = []
+    for g in (imported, shared):
+        pm = PassManager(parse_pipeline("replication,hoist-collectives,cross-replica-sum,"
+                                        "sharding,dce", num_replicas=4), verify="each")
+        out = pm.run(g)
+        texts.append(print_graph(out))
+        conds = [op for op, _ in out.walk() if op.name == "cond"]
+        assert conds and all(o.name != "all_reduce" for c in conds for r in c.regions
+                             for o, _ in r.walk())
+    assert texts[0] == texts[1]
