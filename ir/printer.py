@@ -133,14 +133,24 @@ def _print_lines(graph: Graph, namer: _Namer, where: dict[int, int] | None = Non
 
 def value_names(graph: Graph) -> dict[Value, str]:
     """The printed name of every value defined in ``graph`` (regions included); a value
-    defined twice keeps the name of its first definition. (A walk in print order that
-    formats nothing, so it stays cheap on graphs holding large constants.)"""
+    defined twice (in a region several ops share: the text prints it at each) keeps the
+    name of its first definition. (A walk in print order that formats nothing, so it
+    stays cheap on graphs holding large constants.)"""
     names: dict[Value, str] = {}
+    for n, v in printed_names(graph).items():
+        names.setdefault(v, n)
+    return names
+
+
+def printed_names(graph: Graph) -> dict[str, Value]:
+    """Every name the text of ``graph`` defines, with its value: a value of a region
+    several ops share is printed, and found here, under each of its names."""
+    names: dict[str, Value] = {}
     count = 0
 
     def define(v: Value) -> None:
         nonlocal count
-        names.setdefault(v, f"%{count}")
+        names[f"%{count}"] = v
         count += 1
 
     def visit_op(op: Op) -> None:

@@ -8,7 +8,7 @@ from compiler.hlo_report import Collective
 from runtime import tpu as _tpu
 from runtime.tpu import MemoryFit, Roofline
 from ir.graph import Graph
-from ir.printer import value_names
+from ir.printer import printed_names
 
 if TYPE_CHECKING:
     from runtime.program import Program as _Program
@@ -49,7 +49,7 @@ class Lowered:
         """An ASCII device grid of how ``value`` (its printed name, e.g. ``"%5"``) is laid
         out over the replica's logical devices, after a pass (default: the last)."""
         graph = self.ir(after)
-        names = {n: v for v, n in value_names(graph).items()}
+        names = printed_names(graph)  # (each copy of a shared region under its names)
         if value not in names:
             raise KeyError(f"no value named {value!r} in the IR after "
                            f"{after or self.pass_names[-1]!r}")

@@ -236,3 +236,32 @@ def test_gradient_hoisted_out_of_a_shared_block_matches_each_replica():
         assert conds and all(o.name != "all_reduce" for c in conds for r in c.regions
                              for o, _ in r.walk())
     assert texts[0] == texts[1]
+
+
+def test_every_printed_name_of_a_shared_region_is_found():
+    """The text prints a shared region at each use, under new names each time; the
+    sharding view finds a value by any name the text shows, and diagnostics name a
+    value by its first definition."""
+    from ir.printer import printed_names, value_names
+    shared = ReplicationPass().apply(_share(parse(_TWO_CALLS.replace("jit(%0)", "jit(%1)"))))
+    text = print_graph(shared)
+    names = printed_names(shared)
+    assert sorted(names, key=lambda n: int(n[1:])) == [f"%{i}" for i in range(8)]
+    inner = shared.ops[0].regions[0].ops[0].result  # tanh's result, printed as %4 and %7
+    assert "%4: f32[4] varying = tanh(%3)" in text and "%7: f32[4] varying = tanh(%6)" in text
+    assert names["%4"] is inner and names["%7"] is inner
+    assert value_names(shared)[inner] == "%4"
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
+    w = rng.normal(size=(5, 5)).astype(np.float32)
+    step = rt.replicate(_layers, num_replicas=2)
+    lowered = step.lower(w, rt.PerReplica(xs))
+    graph = lowered.ir()
+    seen: dict[int, str] = {}
+    for name, v in printed_names(graph).items():
+        if id(v) in seen:  # a second printing of a shared value: found under this name too
+            assert lowered.sharding_view(name).split("\n")[0] == f"{name}: {v.type}"
+            break
+        seen[id(v)] = name
+    else:
+        raise AssertionError("the step has no shared region")
