@@ -339,7 +339,7 @@ def _bind(op: Op, args: list[Any]) -> list[Any]:
     if prim is None:
         raise LoweringError(f"no lowering rule and no JAX primitive named {op.name!r} ({op.loc})")
     params = {k: _param(v, op) for k, v in op.attrs if k not in NOTE_ATTRS}
-    out = prim.bind(*args, **jc.bind_params(prim.name, params, len(args)))
+    out = jc.bind(prim, args, jc.bind_params(prim.name, params, len(args)))
     return list(out) if prim.multiple_results else [out]
 
 

@@ -172,3 +172,43 @@ def test_rebuilt_combiners_are_reused_only_when_identical():
     # add (f32), mul, max, min and add (i32): five distinct combiners, none merged, for
     # each of the four meshes
     assert len(lower._PLAIN_JAXPRS) == 5 * 4, len(lower._PLAIN_JAXPRS)
+
+
+# -- ir._jax_compat.bind: staging straight into the jaxpr being traced ------------------
+def _source(x, y):
+    a = jnp.sort(x + y, axis=-1)
+    k, v = jax.lax.sort((x[0], y[0]), num_keys=1)  # several results
+    d = (a @ y.T).astype(jnp.float16)
+    c = jnp.cumsum(x * 3.0, axis=1)  # a literal operand
+    return d, k, v, c, jax.jit(jnp.tanh)(a).sum(), jax.lax.cond(x[0, 0] > 0, jnp.sin, jnp.cos, y)
+
+
+def _restaged(closed, direct: bool) -> str:
+    """``closed`` staged again eqn by eqn with ``jc.bind`` (``direct``) or ``Primitive.bind``."""
+    from ir import _jax_compat as jc
+    jaxpr = closed.jaxpr
+
+    def run(*xs):
+        env = dict(zip(jaxpr.constvars, closed.consts)) | dict(zip(jaxpr.invars, xs))
+        read = lambda a: a.val if isinstance(a, jc.Literal) else env[a]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            args = [read(a) for a in eqn.invars]
+            out = (jc.bind(eqn.primitive, args, eqn.params) if direct
+                   else eqn.primitive.bind(*args, **eqn.params))
+            env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+        return [read(a) for a in jaxpr.outvars]
+    return str(jax.make_jaxpr(run)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                     for v in jaxpr.invars]))
+
+
+def test_direct_staging_gives_the_jaxpr_bind_gives():
+    from ir import _jax_compat as jc
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    closed = jax.make_jaxpr(_source)(x, x + 1)
+    names = {e.primitive.name for e in closed.jaxpr.eqns}
+    assert {"add", "sort", "dot_general", "convert_element_type", "mul",
+            "cond"} <= names and names & {"jit", "pjit"}
+    assert jc._plain_primitive(jax.lax.add_p) and jc._plain_primitive(jax.lax.sort_p)
+    assert not any(jc._plain_primitive(e.primitive) for e in closed.jaxpr.eqns
+                   if e.primitive.name in ("jit", "pjit"))  # (JAX stages them its own way)
+    assert _restaged(closed, direct=True) == _restaged(closed, direct=False)
