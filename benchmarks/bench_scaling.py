@@ -8,8 +8,11 @@ stages (import, passes, second trace: what ``jax.jit`` does not do) as a share o
 compile (target: under 25% at 32 layers and above); with ``jax.jit``'s trace+lower and
 compile of the same global step for comparison, and the cold ratio: our whole
 ``lower()`` (the stages plus the verifier, the cache key and the layout, wall time) and
-XLA's compile over ``jax.jit``'s (issue 15: at most 1.1 at 32 layers and above). Medians
-of ``--reps`` cold builds (fresh functions, so no cache hits).
+XLA's compile over ``jax.jit``'s (issue 15: at most 1.1 at 32 layers and above), with its
+two parts (lowering, XLA) as ratios; and XLA's compile of the step written by hand per
+replica (``shard_map`` + ``pmean``: the form ``replicate`` gives XLA) over jit's, which
+shows what of the XLA part comes from that form. Medians of ``--reps`` cold builds
+(fresh functions, so no cache hits).
 
     .venv/bin/python benchmarks/bench_scaling.py [--reps 3] [--layers 2,8,32,128]
 """
@@ -32,7 +35,8 @@ SHARE_TARGET = 0.25
 COLD_TARGET = 1.1
 
 
-def make_step(layers: int):
+def make_step(layers: int, pmean_axis: str | None = None):
+    """The step; with ``pmean_axis``, written per replica (gradients averaged over it)."""
     def step(params, x, y):
         def loss(p):
             h = x
@@ -42,8 +46,18 @@ def make_step(layers: int):
                 h = jnp.tanh(h)
             return jnp.mean((h - y) ** 2)
         l, grads = jax.value_and_grad(loss)(params)
+        if pmean_axis is not None:
+            grads, l = jax.lax.pmean(grads, pmean_axis), l[None]
         return jax.tree.map(lambda a, b: a - 0.01 * b, params, grads), l
     return step
+
+
+def make_shard_map_step(layers: int, mesh: Mesh):
+    """The step written by hand per replica with ``shard_map`` and ``pmean`` (the form
+    ``replicate`` gives XLA), for XLA's compile time of that form."""
+    return jax.jit(jax.shard_map(make_step(layers, "data"), mesh=mesh,
+                                 in_specs=(P(), P("data"), P("data")),
+                                 out_specs=(P(), P("data")), check_vma=False))
 
 
 def main() -> None:
@@ -60,7 +74,7 @@ def main() -> None:
         x = jax.ShapeDtypeStruct((BATCH // n, D), jnp.float32)
         xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
         stages: dict[str, list[float]] = {}
-        xla, ref_lower, ref_comp, walls, n_ops = [], [], [], [], 0
+        xla, ref_lower, ref_comp, sm_comp, walls, n_ops = [], [], [], [], [], 0
         for _ in range(args.reps):
             step = rt.replicate(make_step(L), num_replicas=n)
             t0 = time.perf_counter()
@@ -86,20 +100,26 @@ def main() -> None:
             jl.compile()
             ref_lower.append(t1 - t0)
             ref_comp.append(time.perf_counter() - t1)
+            sl = make_shard_map_step(L, mesh).lower(params, xg, xg)
+            t0 = time.perf_counter()
+            sl.compile()
+            sm_comp.append(time.perf_counter() - t0)
             # freed here, not inside the next rep's timed lower() (the assignment of its
             # result freed this one's: every stage's IR, ~17 ms at 128 layers)
-            lowered = jl = None
+            lowered = jl = sl = None
         med = {k: statistics.median(v) for k, v in stages.items()}
         total = sum(med.values())
         own = med["import"] + med["passes"] + med["second trace"]
         med["other"] = max(0.0, statistics.median(walls) - total)
         rows.append((L, n_ops, med, total, own, statistics.median(xla),
-                     statistics.median(ref_lower), statistics.median(ref_comp)))
+                     statistics.median(ref_lower), statistics.median(ref_comp),
+                     statistics.median(sm_comp)))
     print(f"jax {jax.__version__}, {n} CPU devices; medians of {args.reps} cold builds; ms")
     print(f"{'layers':>6} {'IR ops':>7} {'trace':>7} {'import':>7} {'passes':>7} {'retrace':>8} "
           f"{'HLO':>7} {'total':>7} {'us/op':>6} {'other':>6} {'XLA':>8} {'own/XLA':>8} | "
-          f"{'jit lower':>9} {'jit XLA':>8} | {'cold ours/jit':>13}")
-    for L, ops, med, total, own, xla_t, rl, rc in rows:
+          f"{'jit lower':>9} {'jit XLA':>8} | {'lower':>6} {'XLA':>6} {'sm XLA':>6} | "
+          f"{'cold ours/jit':>13}")
+    for L, ops, med, total, own, xla_t, rl, rc, sc in rows:
         share = own / xla_t
         flag = "" if L < 32 else ("  OK" if share <= SHARE_TARGET else "  OVER")
         cold = (total + med["other"] + xla_t) / (rl + rc)
@@ -108,14 +128,17 @@ def main() -> None:
               f"{med['passes'] * 1e3:>7.1f} {med['second trace'] * 1e3:>8.1f} "
               f"{med['StableHLO'] * 1e3:>7.1f} {total * 1e3:>7.1f} {total / ops * 1e6:>6.1f} "
               f"{med['other'] * 1e3:>6.1f} {xla_t * 1e3:>8.1f} {share:>7.0%}{flag} | "
-              f"{rl * 1e3:>9.1f} {rc * 1e3:>8.1f} | {cold:>12.2f}x{cflag}")
+              f"{rl * 1e3:>9.1f} {rc * 1e3:>8.1f} | {(total + med['other']) / rl:>5.2f}x "
+              f"{xla_t / rc:>5.2f}x {sc / rc:>5.2f}x | {cold:>12.2f}x{cflag}")
     per_op = [total / ops for _, ops, _, total, *_ in rows if ops >= 1000] or \
         [total / ops for _, ops, _, total, *_ in rows]
     print(f"-- our time per IR op from 1,000 ops up: {min(per_op) * 1e6:.1f}..{max(per_op) * 1e6:.1f}"
           f" us (max/min {max(per_op) / min(per_op):.2f}: flat means linear); own = import + "
           f"passes + second trace, target <= {SHARE_TARGET:.0%} of XLA at 32 layers and above; "
           f"other = verifier, cache key, layout; cold = (our lower() + XLA) / (jit lower + "
-          f"XLA), target <= {COLD_TARGET} at 32 layers and above")
+          f"XLA), target <= {COLD_TARGET} at 32 layers and above; lower, XLA = its two "
+          f"parts, ours over jit's; sm XLA = XLA's compile of the step written by hand per "
+          f"replica (shard_map + pmean, the form replicate gives XLA) over jit's")
 
 
 if __name__ == "__main__":
