@@ -357,3 +357,31 @@ def test_hit_path_alternating_signatures_and_aot_compiled():
     with pytest.raises(TypeError, match=r"argument leaf 0: the compiled step takes float32\[3, 2\] "
                                         r"but was called with float32\[5, 2\]"):
         compiled(b)
+
+
+def _long_chain(x):
+    for i in range(60):  # 120 distinct ops, no nested jit (no JAX-internal caches)
+        x = jnp.tanh(x * (1.0 + i / 100))
+    return x
+
+
+def test_a_cached_executable_does_not_keep_its_traces_alive():
+    """Every compiled step stays in the cache; it must not keep the jaxprs of its two
+    traces (the second trace's used to stay alive through the ``jax.jit`` function the
+    program held: JAX's trace cache keyed by it)."""
+    import gc
+    from jax._src.core import JaxprEqn
+
+    def live_eqns() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is JaxprEqn)
+
+    xs = [np.ones((4,), np.float32), np.full((4,), 2.0, np.float32)]
+    rt.replicate(lambda x: _long_chain(x), num_replicas=2)(rt.PerReplica(xs))  # warm up
+    want = jax.jit(_long_chain)(xs[1])  # (jax.jit's own cache keeps its jaxpr: before)
+    before = live_eqns()
+    step = rt.replicate(lambda x: _long_chain(x), num_replicas=2)
+    out = step(rt.PerReplica(xs))
+    np.testing.assert_allclose(out.values[1], want, rtol=1e-6)
+    assert step.cache_info().currsize == 1
+    assert live_eqns() - before < 30  # the step's jaxprs hold ~120 eqns each
