@@ -139,13 +139,13 @@ class _Sharing:
         self.calls: dict[RegionKey, int] = {}
         self.fns: dict[RegionKey, Any] = {}
         self._canon: dict[RegionKey, RegionKey] = {}
-        self._graph_keys: dict[int, tuple | None] = {}  # by id(region): regions are shared
+        self._graph_keys: dict[int, tuple] = {}  # by id(region): regions are shared
         self._count(graph)
 
     def _count(self, graph: Graph) -> None:
         for op in graph.ops:
             if op.name in _SHARABLE:
-                key = self._region_key(op)
+                key = region_key(op, self._graph_keys)
                 if key is not None:
                     # one deep comparison per repeat; every later look-up of the key
                     # (here, and at each call in ``_call``) is then by identity
@@ -154,21 +154,6 @@ class _Sharing:
                 self.keys[id(op)] = key
             for region in op.regions:  # (a shared region's calls count at each use)
                 self._count(region)
-
-    def _region_key(self, op: Op) -> RegionKey | None:
-        """:func:`region_key`, with a region that several ops share keyed once."""
-        region = op.regions[0]
-        gk = self._graph_keys.get(id(region), _MISSING)
-        if gk is _MISSING:
-            try:
-                gk = _graph_key(region)
-            except (_Unkeyable, TypeError, KeyError):
-                gk = None
-            self._graph_keys[id(region)] = gk
-        return None if gk is None else RegionKey((op.loc, gk))
-
-
-_MISSING = object()
 
 
 #: the sharing state of the graph ``build_jitted`` is lowering (``None`` outside it)
@@ -240,12 +225,20 @@ class RegionKey:
                 and self.parts == other.parts)
 
 
-def region_key(op: Op) -> RegionKey | None:
+def region_key(op: Op, graph_keys: dict[int, tuple] | None = None) -> RegionKey | None:
     """A key equal for two ``jit`` ops exactly when lowering their regions gives the same
     program, locations included (they name the HLO's ``op_name`` metadata); ``None``
-    when an attribute cannot be keyed exactly (the call is then inlined)."""
+    when an attribute cannot be keyed exactly (the call is then inlined). ``graph_keys``:
+    the regions' exact keys so far, by id, so that a region several ops share is keyed
+    once (the caller keeps the graph, so the ids stay its regions')."""
     try:
-        return RegionKey((op.loc, _graph_key(op.regions[0])))
+        region = op.regions[0]
+        gk = None if graph_keys is None else graph_keys.get(id(region))
+        if gk is None:
+            gk = _graph_key(region)
+            if graph_keys is not None:
+                graph_keys[id(region)] = gk
+        return RegionKey((op.loc, gk))
     except (_Unkeyable, TypeError, KeyError):
         return None
 

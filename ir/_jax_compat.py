@@ -24,6 +24,7 @@ import numpy as np
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import source_info_util as _siu
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib import xla_client as _xc
 
 #: the installed JAX as (major, minor, patch)
@@ -117,12 +118,11 @@ def bind_params(primitive: str, params: dict[str, Any], num_args: int) -> dict[s
 def _plain_primitive(prim: Any) -> bool:
     """Does ``prim`` bind the default way (``Primitive.bind`` -> the trace's
     ``process_primitive``), with no staging rule of its own and only low types?"""
-    from jax._src.interpreters import partial_eval as pe
     cls = type(prim)
     return (cls.bind is _core.Primitive.bind
             and cls.bind_with_trace is _core.Primitive.bind_with_trace
             and cls.is_high is _core.Primitive.is_high
-            and prim not in pe.custom_staging_rules)
+            and prim not in _pe.custom_staging_rules)
 
 
 _PLAIN: dict[Any, bool] = {}  # by primitive: ``_plain_primitive``
@@ -134,13 +134,12 @@ def bind(prim: Any, args: Sequence[Any], params: dict[str, Any]) -> Any:
     trace, the primitive plain (:func:`_plain_primitive`). That skips ``bind``'s
     per-argument canonicalisation and type look-ups, ~half its cost: the second trace
     re-binds every op of the step. Anything else goes through ``bind``."""
-    from jax._src.interpreters import partial_eval as pe
     trace = _core.trace_ctx.trace
     plain = _PLAIN.get(prim)
     if plain is None:
         plain = _PLAIN[prim] = _plain_primitive(prim)
-    if plain and type(trace) is pe.DynamicJaxprTrace and all(
-            type(a) is pe.DynamicJaxprTracer and a._trace is trace for a in args):
+    if plain and type(trace) is _pe.DynamicJaxprTrace and all(
+            type(a) is _pe.DynamicJaxprTracer and a._trace is trace for a in args):
         return trace.default_process_primitive(prim, list(args), params, _siu.current())
     return prim.bind(*args, **params)
 

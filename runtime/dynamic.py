@@ -357,10 +357,9 @@ class DynamicPath:
         """``(key, sizes, buckets)`` of a call, read off its shapes in one pass, when every
         per-replica value is an array or a pytree of arrays and no ``maximum_shapes`` is
         set; ``None`` otherwise, and for anything :meth:`plan` would reject (which then
-        says why). The key holds
-        everything the plan depends on but the exact sizes: the argument structure,
-        the mirrored leaves' signatures, per per-replica leaf its rank, dtype, static
-        dims and dynamic axes, and the buckets."""
+        says why). The key holds everything the plan depends on but the exact sizes: the
+        argument structure, the mirrored leaves' signatures, per per-replica leaf its
+        rank, dtype, static dims and dynamic axes, and the buckets."""
         if self.options.maximum_shapes is not None:
             return None
         n = self.rep.num_replicas
