@@ -139,7 +139,7 @@ class _Sharing:
         self.calls: dict[RegionKey, int] = {}
         self.fns: dict[RegionKey, Any] = {}
         self._canon: dict[RegionKey, RegionKey] = {}
-        self._graph_keys: dict[int, tuple] = {}  # by id(region): regions are shared
+        self._graph_keys: dict[int, RegionKey] = {}  # by id(region): regions are shared
         self._count(graph)
 
     def _count(self, graph: Graph) -> None:
@@ -225,7 +225,7 @@ class RegionKey:
                 and self.parts == other.parts)
 
 
-def region_key(op: Op, graph_keys: dict[int, tuple] | None = None) -> RegionKey | None:
+def region_key(op: Op, graph_keys: dict[int, RegionKey] | None = None) -> RegionKey | None:
     """A key equal for two ``jit`` ops exactly when lowering their regions gives the same
     program, locations included (they name the HLO's ``op_name`` metadata); ``None``
     when an attribute cannot be keyed exactly (the call is then inlined). ``graph_keys``:
@@ -235,7 +235,7 @@ def region_key(op: Op, graph_keys: dict[int, tuple] | None = None) -> RegionKey 
         region = op.regions[0]
         gk = None if graph_keys is None else graph_keys.get(id(region))
         if gk is None:
-            gk = _graph_key(region)
+            gk = RegionKey(_graph_key(region))  # (its deep hash computed once per region)
             if graph_keys is not None:
                 graph_keys[id(region)] = gk
         return RegionKey((op.loc, gk))
@@ -354,17 +354,60 @@ _SCOPES: dict[tuple, str] = {}
 _UNSCOPED = frozenset({"constant", "cast_varying"})
 
 
+class _Stager:
+    """Stages the ops of the graph ``build_jitted`` is lowering that re-bind their JAX
+    primitive (no lowering rule, no region) straight into its trace (``jc.stage``), with
+    the source info ``jax.named_scope(scope_name(op))`` would give them made once per
+    scope: the second trace stages every op of the step, and entering a name scope and
+    taking a traceback for each was a fifth of its cost."""
+
+    def __init__(self) -> None:
+        self.infos: dict[tuple, tuple] = {}
+        self.traceback: Any = None
+
+    def source_info(self, op: Op) -> Any:
+        ctx = jc.source_info_context()
+        scoped = not (op.name in _UNSCOPED or op.loc is None or not op.loc.line)
+        key = (id(ctx), scope_name(op) if scoped else None)
+        hit = self.infos.get(key)
+        if hit is None:  # (the entry keeps its context alive: its id is not reused)
+            traceback = ctx.traceback
+            if traceback is None:  # the user's frames are the same for every op
+                if self.traceback is None:
+                    self.traceback = jc.current_traceback()
+                traceback = self.traceback
+            stack = ctx.name_stack.extend(key[1]) if scoped else ctx.name_stack
+            hit = self.infos[key] = (jc.source_info(traceback, stack), ctx)
+        return hit[0]
+
+    def stage(self, op: Op, args: list[Any]) -> list[Any] | None:
+        prim = op.impl
+        if prim is None:
+            return None
+        params = {k: _param(v, op) for k, v in op.attrs if k not in NOTE_ATTRS}
+        return jc.stage(prim, args, params, self.source_info(op))
+
+
+#: the stager of the graph ``build_jitted`` is lowering (``None`` outside it)
+_STAGER: contextvars.ContextVar[_Stager | None] = contextvars.ContextVar("stager", default=None)
+
+
 def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
     """Evaluate ``graph`` on JAX values (inside a trace); returns the outputs."""
     env = dict(zip(graph.inputs, args))
+    stager = _STAGER.get()
     for op in graph.ops:
-        fn = LOWERING_RULES.get(op.name, _bind)
         try:
-            if op.name in _UNSCOPED or op.loc is None or not op.loc.line:
-                outs = fn(op, [env[v] for v in op.operands])
-            else:
-                with jax.named_scope(scope_name(op)):
+            outs = None
+            if stager is not None and not op.regions and op.name not in LOWERING_RULES:
+                outs = stager.stage(op, [env[v] for v in op.operands])
+            if outs is None:
+                fn = LOWERING_RULES.get(op.name, _bind)
+                if op.name in _UNSCOPED or op.loc is None or not op.loc.line:
                     outs = fn(op, [env[v] for v in op.operands])
+                else:
+                    with jax.named_scope(scope_name(op)):
+                        outs = fn(op, [env[v] for v in op.operands])
         except LoweringError:
             raise
         except Exception as e:  # attach the op and the user's line to JAX's error
@@ -396,9 +439,11 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
     def body(*xs):
         args = [x.reshape(()) if v and r == 0 else x for x, v, r in zip(xs, in_varying, in_ranks)]
         token, shared = _PLATFORM.set(platform), _SHARED.set(_Sharing(graph))
+        stager = _STAGER.set(_Stager())
         try:
             outs = eval_graph(graph, args)
         finally:
+            _STAGER.reset(stager)
             _SHARED.reset(shared)
             _PLATFORM.reset(token)
         return tuple(o.reshape((1,)) if v and r == 0 else o

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import source_info_util as _siu
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lib import xla_client as _xc
@@ -129,19 +130,71 @@ _PLAIN: dict[Any, bool] = {}  # by primitive: ``_plain_primitive``
 
 
 def bind(prim: Any, args: Sequence[Any], params: dict[str, Any]) -> Any:
-    """``prim.bind(*args, **params)``; staged straight into the jaxpr being traced when
-    that is what ``bind`` would end in: every argument a tracer of the current jaxpr
-    trace, the primitive plain (:func:`_plain_primitive`). That skips ``bind``'s
-    per-argument canonicalisation and type look-ups, ~half its cost: the second trace
-    re-binds every op of the step. Anything else goes through ``bind``."""
+    """``prim.bind(*args, **params)``; staged straight into the jaxpr being traced
+    (:func:`stage`) when that is what ``bind`` would end in, which skips ``bind``'s
+    per-argument canonicalisation and type look-ups, ~half its cost."""
+    out = stage(prim, args, params, _siu.current())
+    if out is None:
+        return prim.bind(*args, **params)
+    return out if prim.multiple_results else out[0]
+
+
+def stage(prim: Any, args: Sequence[Any], params: dict[str, Any], source_info: Any) -> list[Any] | None:
+    """Stage ``prim`` applied to ``args`` into the jaxpr being traced, with the given
+    source info, as ``prim.bind`` would end in: ``default_process_primitive`` (JAX's own
+    abstract evaluation, effects, constant folding and forwarding). ``bind`` gets there
+    only after canonicalising every argument, and needs the source info (name scope,
+    traceback) set up around it; the second trace stages every op of the step. A NumPy
+    argument becomes the constant ``bind`` makes of it. Returns the results as a list,
+    or ``None`` (nothing staged) unless the trace is a jaxpr trace, every other argument
+    a tracer of it, and ``prim`` staged the default way (:func:`_stages_by_default`)."""
     trace = _core.trace_ctx.trace
-    plain = _PLAIN.get(prim)
-    if plain is None:
-        plain = _PLAIN[prim] = _plain_primitive(prim)
-    if plain and type(trace) is _pe.DynamicJaxprTrace and all(
-            type(a) is _pe.DynamicJaxprTracer and a._trace is trace for a in args):
-        return trace.default_process_primitive(prim, list(args), params, _siu.current())
-    return prim.bind(*args, **params)
+    default = _DEFAULT_STAGING.get(prim)
+    if default is None:
+        default = _DEFAULT_STAGING[prim] = _stages_by_default(prim)
+    if not default or type(trace) is not _pe.DynamicJaxprTrace:
+        return None
+    tracers = list(args)
+    for i, a in enumerate(tracers):
+        if type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace:
+            if type(a) is not np.ndarray:
+                return None
+            tracers[i] = trace.new_const(_dtypes.canonicalize_value(a), source_info)
+    out = trace.default_process_primitive(prim, tracers, params, source_info)
+    return out if prim.multiple_results else [out]
+
+
+#: JAX's staging rules that only call ``default_process_primitive`` with the parameters
+#: they are given (kept from the dynamic shapes JAX no longer has)
+_TRIVIAL_STAGING_RULES = {("broadcast_in_dim", "_broadcast_in_dim_staging_rule"),
+                          ("reshape", "_reshape_staging_rule")}
+_DEFAULT_STAGING: dict[Any, bool] = {}  # by primitive: ``_stages_by_default``
+
+
+def _stages_by_default(prim: Any) -> bool:
+    """Does binding ``prim`` in a jaxpr trace end in ``default_process_primitive`` with
+    the same parameters (:func:`_plain_primitive`, or a trivial staging rule)?"""
+    rule = _pe.custom_staging_rules.get(prim)
+    if rule is None:
+        return _plain_primitive(prim)
+    cls = type(prim)
+    return ((prim.name, getattr(rule, "__name__", "")) in _TRIVIAL_STAGING_RULES
+            and cls.bind is _core.Primitive.bind
+            and cls.bind_with_trace is _core.Primitive.bind_with_trace
+            and cls.is_high is _core.Primitive.is_high)
+
+
+def source_info_context() -> Any:
+    """JAX's current source info context (the name stack; a traceback only when set)."""
+    return _siu._source_info_context.context
+
+
+def source_info(traceback: Any, name_stack: Any) -> Any:
+    return _siu.SourceInfo(traceback, name_stack)
+
+
+def current_traceback() -> Any:
+    return _siu.current().traceback
 
 
 # Frames inside this project's own packages are not the user's source line.
