@@ -259,3 +259,30 @@ def test_staged_second_trace_lowers_to_the_module_bind_gives_locations_included(
     grads = [jax.grad(lambda w, x: _stage_step(w, x)[1])(w, x) for x in xs]
     np.testing.assert_allclose(np.asarray(out[0]), w - 0.1 * (grads[0] + grads[1]) / 2,
                                rtol=1e-5, atol=1e-6)
+
+
+_LOG: list = []
+
+
+def _callbacks(x):
+    y = jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    jax.experimental.io_callback(lambda v: _LOG.append(round(float(v.sum()), 4)), None, y * 2)
+    return jnp.tanh(y).sum()
+
+
+def test_staged_callbacks_run_once_per_replica_on_its_own_values():
+    """Callback primitives (effectful, no region) are staged directly too: JAX's abstract
+    evaluation gives their effects. Oracle: each replica's ``jax.jit`` of the step."""
+    import jax.experimental  # noqa: F401  (io_callback)
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(2, 3)).astype(np.float32) for _ in range(4)]
+    _LOG.clear()
+    out = rt.replicate(_callbacks, num_replicas=4)(rt.PerReplica(xs))
+    jax.effects_barrier()
+    ours = sorted(_LOG)
+    _LOG.clear()
+    want = [np.asarray(jax.jit(_callbacks)(x)) for x in xs]
+    jax.effects_barrier()
+    assert ours == sorted(_LOG) and len(ours) == 4
+    for r in range(4):
+        np.testing.assert_allclose(np.asarray(out.values[r]), want[r], rtol=1e-6)
