@@ -126,9 +126,6 @@ def _plain_primitive(prim: Any) -> bool:
             and prim not in _pe.custom_staging_rules)
 
 
-_PLAIN: dict[Any, bool] = {}  # by primitive: ``_plain_primitive``
-
-
 def bind(prim: Any, args: Sequence[Any], params: dict[str, Any]) -> Any:
     """``prim.bind(*args, **params)``; staged straight into the jaxpr being traced
     (:func:`stage`) when that is what ``bind`` would end in, which skips ``bind``'s
@@ -146,20 +143,25 @@ def stage(prim: Any, args: Sequence[Any], params: dict[str, Any], source_info: A
     only after canonicalising every argument, and needs the source info (name scope,
     traceback) set up around it; the second trace stages every op of the step. A NumPy
     argument becomes the constant ``bind`` makes of it. Returns the results as a list,
-    or ``None`` (nothing staged) unless the trace is a jaxpr trace, every other argument
-    a tracer of it, and ``prim`` staged the default way (:func:`_stages_by_default`)."""
+    or ``None`` (nothing staged) unless the trace is a jaxpr trace, at least one argument
+    a tracer of it and every other one a NumPy array (no tracer at all: ``bind`` may
+    fold eagerly), and ``prim`` staged the default way (:func:`_stages_by_default`)."""
     trace = _core.trace_ctx.trace
     default = _DEFAULT_STAGING.get(prim)
     if default is None:
         default = _DEFAULT_STAGING[prim] = _stages_by_default(prim)
     if not default or type(trace) is not _pe.DynamicJaxprTrace:
         return None
-    tracers = list(args)
-    for i, a in enumerate(tracers):
-        if type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace:
-            if type(a) is not np.ndarray:
-                return None
-            tracers[i] = trace.new_const(_dtypes.canonicalize_value(a), source_info)
+    traced = False
+    for a in args:
+        if type(a) is _pe.DynamicJaxprTracer and a._trace is trace:
+            traced = True
+        elif type(a) is not np.ndarray:
+            return None
+    if not traced:
+        return None
+    tracers = [a if type(a) is not np.ndarray
+               else trace.new_const(_dtypes.canonicalize_value(a), source_info) for a in args]
     out = trace.default_process_primitive(prim, tracers, params, source_info)
     return out if prim.multiple_results else [out]
 
@@ -193,6 +195,10 @@ def source_info(traceback: Any, name_stack: Any) -> Any:
     return _siu.SourceInfo(traceback, name_stack)
 
 
+def current_source_info() -> Any:
+    return _siu.current()
+
+
 def current_traceback() -> Any:
     return _siu.current().traceback
 
@@ -209,6 +215,12 @@ def user_location(eqn: Any) -> tuple[str, int] | None:
     if frame is None:
         return None
     return frame.file_name, frame.start_line
+
+
+def eager_constant_folding(on: bool):
+    """Context manager: JAX's constant folding of ops whose operands are all constants,
+    during staging (off by default)."""
+    return _config.eager_constant_folding(on)
 
 
 def traceback_filtering(mode: str):

@@ -251,7 +251,7 @@ def test_staged_second_trace_lowers_to_the_module_bind_gives_locations_included(
         monkeypatch.setattr(jc, "stage", stage)
         texts.append(text())  # (one call site: the locations hold the caller's line)
     direct, bound = texts
-    assert sum(staged) > 50 and sum(staged) > 0.9 * len(staged), (sum(staged), len(staged))
+    assert sum(staged) > 50 and sum(staged) > 0.8 * len(staged), (sum(staged), len(staged))
     assert direct == bound
     # (what was compared: each op's scope, the user's line, under JAX's own name stack)
     assert 'loc("jit[test_lowering.py:24]/div[test_lowering.py:24]/div")' in direct
@@ -259,6 +259,31 @@ def test_staged_second_trace_lowers_to_the_module_bind_gives_locations_included(
     grads = [jax.grad(lambda w, x: _stage_step(w, x)[1])(w, x) for x in xs]
     np.testing.assert_allclose(np.asarray(out[0]), w - 0.1 * (grads[0] + grads[1]) / 2,
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("eager_folding", [False, True])
+def test_stage_leaves_ops_of_constants_only_to_bind(eager_folding):
+    """``jc.stage`` stages an op with a tracer operand (NumPy ones become constants) and
+    leaves an op of constants only to ``bind``, which folds it when JAX's eager constant
+    folding is on. Oracle: the jaxpr ``Primitive.bind`` gives."""
+    from ir import _jax_compat as jc
+    c = np.arange(3, dtype=np.float32)
+    mul, add = jax.make_jaxpr(lambda x, y: (x * y, x + y))(c, c).jaxpr.eqns
+
+    def run(bind):
+        def f(x):
+            return bind(mul, [x, c * 2]), bind(add, [c, c + 1])
+        with jc.eager_constant_folding(eager_folding):
+            return str(jax.make_jaxpr(f)(c))
+
+    staged = []
+
+    def through_stage(eqn, args):
+        out = jc.stage(eqn.primitive, args, eqn.params, jc.current_source_info())
+        staged.append(out is not None)
+        return eqn.primitive.bind(*args, **eqn.params) if out is None else out[0]
+    assert run(through_stage) == run(lambda eqn, args: eqn.primitive.bind(*args, **eqn.params))
+    assert staged == [True, False]
 
 
 _LOG: list = []
