@@ -354,6 +354,13 @@ _SCOPES: dict[tuple, str] = {}
 _UNSCOPED = frozenset({"constant", "cast_varying"})
 
 
+def _scope(op: Op) -> str | None:
+    """The name scope ``op`` lowers under, or ``None`` (no HLO of its own, no line)."""
+    if op.name in _UNSCOPED or op.loc is None or not op.loc.line:
+        return None
+    return scope_name(op)
+
+
 class _Stager:
     """Stages the ops of the graph ``build_jitted`` is lowering that re-bind their JAX
     primitive (no lowering rule, no region) straight into its trace (``jc.stage``), with
@@ -367,16 +374,16 @@ class _Stager:
 
     def source_info(self, op: Op) -> Any:
         ctx = jc.source_info_context()
-        scoped = not (op.name in _UNSCOPED or op.loc is None or not op.loc.line)
-        key = (id(ctx), scope_name(op) if scoped else None)
+        scope = _scope(op)
+        key = (id(ctx), scope)
         hit = self.infos.get(key)
         if hit is None:  # (the entry keeps its context alive: its id is not reused)
             traceback = ctx.traceback
             if traceback is None:  # the user's frames are the same for every op
                 if self.traceback is None:
-                    self.traceback = jc.current_traceback()
+                    self.traceback = jc.current_source_info().traceback
                 traceback = self.traceback
-            stack = ctx.name_stack.extend(key[1]) if scoped else ctx.name_stack
+            stack = ctx.name_stack if scope is None else ctx.name_stack.extend(scope)
             hit = self.infos[key] = (jc.source_info(traceback, stack), ctx)
         return hit[0]
 
@@ -403,10 +410,11 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
                 outs = stager.stage(op, [env[v] for v in op.operands])
             if outs is None:
                 fn = LOWERING_RULES.get(op.name, _bind)
-                if op.name in _UNSCOPED or op.loc is None or not op.loc.line:
+                scope = _scope(op)
+                if scope is None:
                     outs = fn(op, [env[v] for v in op.operands])
                 else:
-                    with jax.named_scope(scope_name(op)):
+                    with jax.named_scope(scope):
                         outs = fn(op, [env[v] for v in op.operands])
         except LoweringError:
             raise

@@ -116,14 +116,19 @@ def bind_params(primitive: str, params: dict[str, Any], num_args: int) -> dict[s
         params.update(_scan_flattrees(num_args, num_outs, nc, ncarry))
     return params
 
-def _plain_primitive(prim: Any) -> bool:
-    """Does ``prim`` bind the default way (``Primitive.bind`` -> the trace's
-    ``process_primitive``), with no staging rule of its own and only low types?"""
+
+def _binds_by_default(prim: Any) -> bool:
+    """Does ``prim``'s class keep ``Primitive.bind``, ``bind_with_trace`` and ``is_high``
+    (``bind`` ends in the trace's ``process_primitive``; only low types)?"""
     cls = type(prim)
     return (cls.bind is _core.Primitive.bind
             and cls.bind_with_trace is _core.Primitive.bind_with_trace
-            and cls.is_high is _core.Primitive.is_high
-            and prim not in _pe.custom_staging_rules)
+            and cls.is_high is _core.Primitive.is_high)
+
+
+def _plain_primitive(prim: Any) -> bool:
+    """Does ``prim`` bind the default way, with no staging rule of its own?"""
+    return _binds_by_default(prim) and prim not in _pe.custom_staging_rules
 
 
 def bind(prim: Any, args: Sequence[Any], params: dict[str, Any]) -> Any:
@@ -136,7 +141,8 @@ def bind(prim: Any, args: Sequence[Any], params: dict[str, Any]) -> Any:
     return out if prim.multiple_results else out[0]
 
 
-def stage(prim: Any, args: Sequence[Any], params: dict[str, Any], source_info: Any) -> list[Any] | None:
+def stage(prim: Any, args: Sequence[Any], params: dict[str, Any],
+          source_info: Any) -> list[Any] | None:
     """Stage ``prim`` applied to ``args`` into the jaxpr being traced, with the given
     source info, as ``prim.bind`` would end in: ``default_process_primitive`` (JAX's own
     abstract evaluation, effects, constant folding and forwarding). ``bind`` gets there
@@ -177,13 +183,8 @@ def _stages_by_default(prim: Any) -> bool:
     """Does binding ``prim`` in a jaxpr trace end in ``default_process_primitive`` with
     the same parameters (:func:`_plain_primitive`, or a trivial staging rule)?"""
     rule = _pe.custom_staging_rules.get(prim)
-    if rule is None:
-        return _plain_primitive(prim)
-    cls = type(prim)
-    return ((prim.name, getattr(rule, "__name__", "")) in _TRIVIAL_STAGING_RULES
-            and cls.bind is _core.Primitive.bind
-            and cls.bind_with_trace is _core.Primitive.bind_with_trace
-            and cls.is_high is _core.Primitive.is_high)
+    return _binds_by_default(prim) and (
+        rule is None or (prim.name, getattr(rule, "__name__", "")) in _TRIVIAL_STAGING_RULES)
 
 
 def source_info_context() -> Any:
@@ -197,10 +198,6 @@ def source_info(traceback: Any, name_stack: Any) -> Any:
 
 def current_source_info() -> Any:
     return _siu.current()
-
-
-def current_traceback() -> Any:
-    return _siu.current().traceback
 
 
 # Frames inside this project's own packages are not the user's source line.
