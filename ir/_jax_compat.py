@@ -656,7 +656,8 @@ def install_vjp_hook(policy: Any) -> None:
         in_varying = [varying_axes(v.aval) for v in jaxpr.invars[-args[0].num_leaves:]] \
             if args[0].num_leaves else []
         placeholders = tuple(getattr(api, n) for n in ("DidntWant", "GradRef") if hasattr(api, n))
-        logs = []
+        logs, back = [], {}  # ``back``: not attributes of ``run`` (a cycle through its
+        # own cell would keep the backward pass's jaxpr and tracers for the collector)
 
         def run(new_cts):
             seeds = [c if n is None else n for c, n in zip(cts, new_cts)]
@@ -667,13 +668,13 @@ def install_vjp_hook(policy: Any) -> None:
                 logs.append(log)
             leaves, tree = jax.tree_util.tree_flatten(
                 res, is_leaf=lambda x: isinstance(x, placeholders))
-            run.tree, run.leaves = tree, leaves
+            back["tree"], back["leaves"] = tree, leaves
             return [None if isinstance(x, placeholders) else x for x in leaves]
 
         out = _VJP_POLICY([None if is_zero(c) else c for c in cts], out_varying,
                           in_varying, run)
-        out = [x if isinstance(x, placeholders) else o for o, x in zip(out, run.leaves)]
-        arg_cts = jax.tree_util.tree_unflatten(run.tree, out)
+        out = [x if isinstance(x, placeholders) else o for o, x in zip(out, back["leaves"])]
+        arg_cts = jax.tree_util.tree_unflatten(back["tree"], out)
         return (arg_cts, logs[0]) if want_logs else arg_cts
 
     hooked._replicate_hlo = True

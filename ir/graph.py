@@ -296,17 +296,19 @@ class Rewriter:
 def map_region_refs(attrs: Attrs) -> list[int]:
     """Region indices referenced by an op's attributes, in order."""
     out: list[int] = []
-
-    def visit(v: Any) -> None:
-        if isinstance(v, RegionRef):
-            out.append(v.index)
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                visit(x)
-
     for _, v in attrs:
-        visit(v)
+        _region_refs(v, out)
     return out
+
+
+def _region_refs(v: Any, out: list[int]) -> None:
+    # a module-level function: a nested recursive one is a cycle through its own cell,
+    # garbage for the collector after every call
+    if isinstance(v, RegionRef):
+        out.append(v.index)
+    elif isinstance(v, (tuple, list)):
+        for x in v:
+            _region_refs(x, out)
 
 
 def attrs_from(mapping: Mapping[str, Any]) -> Attrs:

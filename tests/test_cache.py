@@ -385,3 +385,66 @@ def test_a_cached_executable_does_not_keep_its_traces_alive():
     np.testing.assert_allclose(out.values[1], want, rtol=1e-6)
     assert step.cache_info().currsize == 1
     assert live_eqns() - before < 30  # the step's jaxprs hold ~120 eqns each
+
+
+@jax.custom_vjp
+def _scaled_tanh(x):
+    return jnp.tanh(x)
+
+
+def _scaled_tanh_fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+
+
+def _scaled_tanh_bwd(y, g):
+    return (g * (1 - y * y),)
+
+
+_scaled_tanh.defvjp(_scaled_tanh_fwd, _scaled_tanh_bwd)
+
+
+def _cyclic_step(w, x):
+    """A training step through every path of a build: the pullback hook (grad), a
+    custom_vjp, a scan with a cond inside (regions), rematerialisation."""
+    def loss(w):
+        def body(c, xi):
+            c = jax.lax.cond(w.sum() > 0, lambda c: c @ w, lambda c: c + w[0], c)
+            return c, _scaled_tanh(c).sum()
+        c, ys = jax.lax.scan(body, x[0], x)
+        return ys.sum() + jax.checkpoint(lambda z: jnp.sin(z) @ w)(c).sum()
+    l, g = jax.value_and_grad(loss)(w)
+    return w - 0.1 * g, l
+
+
+def test_building_a_step_leaves_no_reference_cycles():
+    """Everything a build makes and drops is freed by reference counting: nothing is left
+    in a reference cycle for the garbage collector (the pullback hook's ``run`` used to
+    hold itself through its own cell, keeping the whole backward pass's jaxpr and tracers
+    for the collector: ~15,000 objects for a 32-layer step; recursive nested functions
+    did the same on a smaller scale), which scanned them inside the next ``lower()``."""
+    import collections
+    import gc
+
+    w = np.full((4, 4), 0.1, np.float32)
+    xs = [np.full((3, 2, 4), r + 1.0, np.float32) for r in range(2)]
+    rt.replicate(_cyclic_step, num_replicas=2).lower(w, rt.PerReplica(xs))  # warm up JAX
+    gc.collect()
+    gc.disable()
+    try:
+        step = rt.replicate(_cyclic_step, num_replicas=2)
+        compiled = step.lower(w, rt.PerReplica(xs)).compile()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        garbage = collections.Counter(
+            getattr(o, "__qualname__", None) or type(o).__qualname__ for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not garbage, garbage.most_common(10)
+    new_w, losses = compiled(w, rt.PerReplica(xs))
+    grads = [jax.jit(jax.grad(lambda w, x: _cyclic_step(w, x)[1]))(w, x) for x in xs]
+    np.testing.assert_allclose(new_w, w - 0.1 * (grads[0] + grads[1]) / 2, rtol=1e-5)
+    np.testing.assert_allclose(losses.values, [jax.jit(_cyclic_step)(w, x)[1] for x in xs],
+                               rtol=1e-5)

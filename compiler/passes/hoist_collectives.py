@@ -90,16 +90,19 @@ def divergent_collectives(graph: Graph) -> list[tuple[Op, Op]]:
     """Every (collective, enclosing control-flow op) where the collective runs inside
     control flow whose predicate or trip count differs between replicas."""
     found: list[tuple[Op, Op]] = []
-
-    def visit(g: Graph, inside: Op | None) -> None:
-        for op in g.ops:
-            if inside is not None and is_collective(op):
-                found.append((op, inside))
-            divergent = _divergent_regions(op)
-            for region in op.regions:
-                visit(region, op if (region in divergent and inside is None) else inside)
-    visit(graph, None)
+    _find_divergent(graph, None, found)
     return found
+
+
+def _find_divergent(g: Graph, inside: Op | None, found: list[tuple[Op, Op]]) -> None:
+    # module level: a nested recursive function is a cycle through its own cell
+    for op in g.ops:
+        if inside is not None and is_collective(op):
+            found.append((op, inside))
+        divergent = _divergent_regions(op)
+        for region in op.regions:
+            _find_divergent(region, op if (region in divergent and inside is None) else inside,
+                            found)
 
 
 def check_no_divergent_collectives(graph: Graph) -> None:
