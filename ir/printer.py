@@ -145,28 +145,20 @@ def value_names(graph: Graph) -> dict[Value, str]:
 def printed_names(graph: Graph) -> dict[str, Value]:
     """Every name the text of ``graph`` defines, with its value: a value of a region
     several ops share is printed, and found here, under each of its names."""
-    names: dict[str, Value] = {}
-    count = 0
-
-    def define(v: Value) -> None:
-        nonlocal count
-        names[f"%{count}"] = v
-        count += 1
-
-    def visit_op(op: Op) -> None:
-        for r in op.results:
-            define(r)
-        for region in op.regions:
-            for v in region.inputs:
-                define(v)
-            for inner in region.ops:
-                visit_op(inner)
-
-    for v in graph.inputs:
-        define(v)
+    defined: list[Value] = list(graph.inputs)
     for op in graph.ops:
-        visit_op(op)
-    return names
+        _defined_by(op, defined)
+    return {f"%{i}": v for i, v in enumerate(defined)}
+
+
+def _defined_by(op: Op, defined: list[Value]) -> None:
+    """Append the values ``op`` defines, in text order (its results, then each region's
+    inputs and ops). Module level: a nested recursive function is a reference cycle."""
+    defined.extend(op.results)
+    for region in op.regions:
+        defined.extend(region.inputs)
+        for inner in region.ops:
+            _defined_by(inner, defined)
 
 
 def print_graph(graph: Graph) -> str:

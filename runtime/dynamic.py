@@ -780,10 +780,16 @@ def _with_bounds(graph: Graph, bounds: dict[str, int]) -> Graph:
                       if shape != ty.shape else v)
         return env[v]
 
-    def g(gr: Graph) -> Graph:
-        ins = tuple(t(v) for v in gr.inputs)
-        ops = tuple(op.replace(operands=tuple(t(v) for v in op.operands),
-                               results=tuple(t(v) for v in op.results),
-                               regions=tuple(g(r) for r in op.regions)) for op in gr.ops)
-        return Graph(ins, ops, tuple(t(v) for v in gr.outputs), gr.name)
-    return g(graph)
+    return _map_values(graph, t)
+
+
+def _map_values(gr: Graph, t: Callable[[Value], Value]) -> Graph:
+    """``gr`` (regions included) with every value ``v`` replaced by ``t(v)``. Module
+    level: a nested recursive function is a reference cycle (here through the map of
+    every value) left for the garbage collector."""
+    ins = tuple(t(v) for v in gr.inputs)
+    ops = tuple(op.replace(operands=tuple(t(v) for v in op.operands),
+                           results=tuple(t(v) for v in op.results),
+                           regions=tuple(_map_values(r, t) for r in op.regions))
+                for op in gr.ops)
+    return Graph(ins, ops, tuple(t(v) for v in gr.outputs), gr.name)
