@@ -154,6 +154,9 @@ class TensorType:
     replica: Replica | None = None
     sharding: Sharding | None = None
     weak_type: bool = field(default=False, compare=True)
+    #: the types :meth:`_derived` made from this one, by (replica, sharding): one object
+    #: for each (passes retype every value, and most values share a few types)
+    _variants: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, tuple):
@@ -187,13 +190,28 @@ class TensorType:
 
     def _derived(self, replica: Replica | None, sharding: Sharding | None) -> TensorType:
         """This type with another replica variance or sharding, without re-checking the
-        shape and dtype ``__post_init__`` checked (passes retype every value)."""
+        shape and dtype ``__post_init__`` checked (passes retype every value). The same
+        object each time for the same ``replica`` and ``sharding``: the types of a
+        graph are a few objects however many values it has."""
+        variants = self._variants
+        if variants is None:
+            variants = {}
+            _set(self, "_variants", variants)
+        # by identity (hashing a Sharding costs as much as building the type): the cached
+        # type holds its sharding, so that id is not reused while the entry exists
+        # (replicas are enum members)
+        key = (id(replica), id(sharding))
+        t = variants.get(key)
+        if t is not None:
+            return t
         t = _new(TensorType)
         _set(t, "shape", self.shape)
         _set(t, "dtype", self.dtype)
         _set(t, "replica", replica)
         _set(t, "sharding", sharding)
         _set(t, "weak_type", self.weak_type)
+        _set(t, "_variants", None)
+        variants[key] = t
         return t
 
     def same_shape_dtype(self, other: TensorType) -> bool:

@@ -81,6 +81,31 @@ def test_invalid_types_are_rejected():
         Sharding("maximal")
 
 
+
+def test_derived_types_are_one_object_each_and_equal_to_built_ones():
+    """``with_replica``/``with_sharding`` give one object per (replica, sharding) of a
+    type, equal (and hashing equal) to the type built from scratch, with the sharding
+    asked for, also while shardings are made and dropped one after another (the cache is
+    keyed by the sharding's identity)."""
+    import gc
+
+    t = T((4, 8))
+    v = t.with_replica(V)
+    assert v is t.with_replica(V) and v == T((4, 8), replica=V) and hash(v) == hash(T((4, 8), replica=V))
+    assert t.with_replica(M) == T((4, 8), replica=M) and t.with_replica(M) is not v
+    tiled = v.with_sharding(Sharding("tiled", (2, 1), (0, 1)))
+    assert tiled == T((4, 8), replica=V, sharding=Sharding("tiled", (2, 1), (0, 1)))
+    assert str(tiled) == "f32[4,8] varying {devices=[2,1]0,1}"
+    assert tiled.with_replica(None) == T((4, 8), sharding=Sharding("tiled", (2, 1), (0, 1)))
+    for k in range(50):  # fresh shardings, each freed after use
+        s = Sharding.maximal(k % 7)
+        assert v.with_sharding(s).sharding == Sharding.maximal(k % 7)
+        del s
+        gc.collect()
+    assert v.with_sharding(Sharding.replicated()).sharding == Sharding.replicated()
+    assert v.with_sharding(None) is v.with_sharding(None) and v.with_sharding(None) == v
+
+
 # ------------------------------------------------------------------ attributes
 def test_attribute_kinds_roundtrip():
     attrs = (("none", None), ("t", True), ("f", False), ("i", 7), ("neg", -3), ("big", 2**70),
