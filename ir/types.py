@@ -124,7 +124,8 @@ class Sharding:
 
     @staticmethod
     def replicated() -> Sharding:
-        return Sharding("replicated")
+        """The replicated sharding: one object (shardings are immutable)."""
+        return _REPLICATED
 
     @staticmethod
     def maximal(device: int) -> Sharding:
@@ -139,6 +140,9 @@ class Sharding:
         devs = ",".join(map(str, self.devices))
         suffix = " last_tile_dim_replicate" if self.last_tile_dim_replicate else ""
         return f"{{devices=[{dims}]{devs}{suffix}}}"
+
+
+_REPLICATED = Sharding("replicated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,20 +194,24 @@ class TensorType:
 
     def _derived(self, replica: Replica | None, sharding: Sharding | None) -> TensorType:
         """This type with another replica variance or sharding, without re-checking the
-        shape and dtype ``__post_init__`` checked (passes retype every value). The same
-        object each time for the same ``replica`` and ``sharding``: the types of a
-        graph are a few objects however many values it has."""
-        variants = self._variants
-        if variants is None:
-            variants = {}
-            _set(self, "_variants", variants)
-        # by identity (hashing a Sharding costs as much as building the type): the cached
-        # type holds its sharding, so that id is not reused while the entry exists
-        # (replicas are enum members)
-        key = (id(replica), id(sharding))
-        t = variants.get(key)
-        if t is not None:
+        shape and dtype ``__post_init__`` checked (passes retype every value). With no
+        sharding or :meth:`Sharding.replicated`, the same object each time (kept on this
+        type: at most six), so the types of a graph are a few objects however many
+        values it has; other shardings are made per value, and a long-lived type (the
+        import's, shared by every program) must not keep one entry per such object."""
+        if sharding is None or sharding is _REPLICATED:
+            variants = self._variants
+            if variants is None:
+                variants = {}
+                _set(self, "_variants", variants)
+            key = (id(replica), sharding is None)  # replicas: enum members, never freed
+            t = variants.get(key)
+            if t is None:
+                t = variants[key] = self._make(replica, sharding)
             return t
+        return self._make(replica, sharding)
+
+    def _make(self, replica: Replica | None, sharding: Sharding | None) -> TensorType:
         t = _new(TensorType)
         _set(t, "shape", self.shape)
         _set(t, "dtype", self.dtype)
@@ -211,7 +219,6 @@ class TensorType:
         _set(t, "sharding", sharding)
         _set(t, "weak_type", self.weak_type)
         _set(t, "_variants", None)
-        variants[key] = t
         return t
 
     def same_shape_dtype(self, other: TensorType) -> bool:
