@@ -75,27 +75,28 @@ def main() -> None:
         xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
         stages: dict[str, list[float]] = {}
         xla, ref_lower, ref_comp, sm_comp, walls, n_ops = [], [], [], [], [], 0
+
+        def ours():
+            step = rt.replicate(make_step(L), num_replicas=n)
+            t0 = time.perf_counter()
+            lowered = step.lower(params, rt.PerReplica([x] * n), rt.PerReplica([x] * n))
+            walls.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            lowered.compile()
+            xla.append(time.perf_counter() - t0)
+            return lowered
+
+        def jit():
+            jitted = jax.jit(make_step(L), in_shardings=(r, d, d), out_shardings=(r, r))
+            t0 = time.perf_counter()
+            jl = jitted.lower(params, xg, xg)
+            t1 = time.perf_counter()
+            jl.compile()
+            ref_lower.append(t1 - t0)
+            ref_comp.append(time.perf_counter() - t1)
+            return jl
+
         for rep in range(args.reps):
-            def ours():
-                step = rt.replicate(make_step(L), num_replicas=n)
-                t0 = time.perf_counter()
-                lowered = step.lower(params, rt.PerReplica([x] * n), rt.PerReplica([x] * n))
-                walls.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                lowered.compile()
-                xla.append(time.perf_counter() - t0)
-                return lowered
-
-            def jit():
-                jitted = jax.jit(make_step(L), in_shardings=(r, d, d), out_shardings=(r, r))
-                t0 = time.perf_counter()
-                jl = jitted.lower(params, xg, xg)
-                t1 = time.perf_counter()
-                jl.compile()
-                ref_lower.append(t1 - t0)
-                ref_comp.append(time.perf_counter() - t1)
-                return jl
-
             # which goes first alternates: neither side always runs right after a compile
             # of the other's (or its own) program
             if rep % 2 == 0:
@@ -156,8 +157,9 @@ def main() -> None:
           f"passes + second trace, target <= {SHARE_TARGET:.0%} of XLA at 32 layers and above; "
           f"other = verifier, cache key, layout; cold = (our lower() + XLA) / (jit lower + "
           f"XLA), target <= {COLD_TARGET} at 32 layers and above; lower, XLA = its two "
-          f"parts, ours over jit's (ratios: medians of each rep's ratio); sm XLA = XLA's compile of the step written by hand per "
-          f"replica (shard_map + pmean, the form replicate gives XLA) over jit's")
+          f"parts, ours over jit's (ratios: medians of each rep's ratio); sm XLA = XLA's "
+          f"compile of the step written by hand per replica (shard_map + pmean, the form "
+          f"replicate gives XLA) over jit's")
 
 
 if __name__ == "__main__":

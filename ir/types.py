@@ -158,8 +158,8 @@ class TensorType:
     replica: Replica | None = None
     sharding: Sharding | None = None
     weak_type: bool = field(default=False, compare=True)
-    #: the types :meth:`_derived` made from this one, by (replica, sharding): one object
-    #: for each (passes retype every value, and most values share a few types)
+    #: the types :meth:`_derived` made from this one with no sharding or the replicated
+    #: one, by replica: one object each (passes retype every value)
     _variants: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
