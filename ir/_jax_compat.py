@@ -441,8 +441,29 @@ _CPP_CALL_LOCK = __import__("threading").Lock()
 def trace_context() -> tuple:
     """What a jaxpr traced now depends on besides its function and avals: JAX's trace
     context (the config options that change tracing) and the abstract mesh (which avals
-    carry), as one hashable key; JAX keys its own trace caches on the first."""
+    carry), as one hashable key; JAX keys its own trace caches on the first. Our own
+    setting (``_grad_mode_state``) joins that context when first made: it is made here
+    first, so that a key taken before the first trace equals one taken after it."""
+    if _GRAD_MODE is None:
+        _grad_mode_state()
     return (_config.trace_context(), jax.sharding.get_abstract_mesh())
+
+
+def trace_context_text() -> str:
+    """:func:`trace_context` as text that is the same in every process for the same
+    settings (a persistent key's entry): ``name=value`` for each setting JAX names, a
+    value whose text holds an address by its type alone."""
+    values = trace_context()[0]
+    try:
+        names = list(_config.trace_context_names())
+    except (AttributeError, NotImplementedError):
+        names = [f"#{i}" for i in range(len(values))]
+    parts = []
+    for name, value in zip(names, values):
+        text = repr(value)
+        parts.append(f"{name}={type(value).__name__ if ' at 0x' in text else text}")
+    mesh = repr(jax.sharding.get_abstract_mesh())
+    return " ".join(parts) + f" abstract_mesh={'?' if ' at 0x' in mesh else mesh}"
 
 
 class HostPut:

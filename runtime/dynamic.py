@@ -400,7 +400,8 @@ class DynamicPath:
             if b < top:
                 return None
             buckets[sym] = b
-        return (treedef, statics, tuple(parts), tuple(buckets.items())), tuple(sizes), buckets
+        return ((treedef, statics, tuple(parts), tuple(buckets.items()), jc.trace_context()),
+                tuple(sizes), buckets)
 
     def _quick_leaf(self, arrs: list, arg: int, sizes: list) -> tuple | None:
         """One per-replica leaf of :meth:`_quick` (an array per replica): its part of the
@@ -463,11 +464,12 @@ class DynamicPath:
             key_sigs.append(("per_replica", td, tuple(sig)))
         key = ("dynamic", treedef, tuple(key_sigs), tuple(sorted(bounds.items())), statics)
         cache = self.rep._cache
-        prog = cache.get(key)
+        ckey = (key, jc.trace_context())  # the JAX context too (Replicated._call)
+        prog = cache.get(ckey)
         if prog is None:
-            prog = cache.get_or_build(key, lambda: self.build(leaves, treedef, per_leaf, syms,
-                                                              buckets, bounds, key,
-                                                              statics).compile())
+            prog = cache.get_or_build(ckey, lambda: self.build(leaves, treedef, per_leaf, syms,
+                                                               buckets, bounds, key,
+                                                               statics).compile())
             self._maybe_warn()
         return _Plan(prog, syms, buckets, tuple(pads), self.rep.num_replicas), tuple(sizes)
 
@@ -491,7 +493,7 @@ class DynamicPath:
     def trace(self, leaves, treedef, per_leaf, syms, bounds, statics: tuple = ()) -> tuple:
         """One trace per symbolic signature: (graph, in_layout, specs, out treedef)."""
         rep = self.rep
-        skey = (treedef, statics, tuple(sorted(bounds.items())), tuple(
+        skey = (treedef, statics, jc.trace_context(), tuple(sorted(bounds.items())), tuple(
             ("m", leaf_sig(x)) if info is None else
             ("p", info[0], tuple((tuple(axes.get(k, d) for k, d in enumerate(a[0].shape)),
                                   a[0].dtype) for a, axes in info[1]))

@@ -42,7 +42,9 @@ The key (``key_entries``, in this order; the digest is sha256 over
                         and whether it is per-replica
 ``jax`` / ``jaxlib``    versions
 ``backend``             platform and platform version of the mesh's devices
-``jax_config``          ``jax_enable_x64``, ``jax_default_matmul_precision``
+``jax_config``          JAX's trace context: every setting that changes what a trace gives
+                        (``jax_enable_x64``, ``jax_default_matmul_precision``,
+                        ``jax_numpy_rank_promotion``, ..., thread-local ones included)
 ``mesh``                shape, axis names, device ids in mesh order
 ``pipeline``            the pass pipeline string
 ``options``             num_replicas, logical_devices, loss_reduction, verify,
@@ -70,6 +72,8 @@ import time
 import types
 import warnings
 from typing import Any, Callable
+
+from ir import _jax_compat as jc
 
 log = logging.getLogger("runtime")
 
@@ -218,8 +222,7 @@ def key_entries(owner: Any, key: tuple) -> dict[str, str]:
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "backend": f"{dev0.platform} {platform_version}",
-        "jax_config": f"x64={jax.config.jax_enable_x64} "
-                      f"matmul_precision={jax.config.jax_default_matmul_precision}",
+        "jax_config": jc.trace_context_text(),
         "mesh": f"shape={dict(owner.mesh.shape)} axes={tuple(owner.mesh.axis_names)} "
                 f"devices={[d.id for d in devs]}",
         "pipeline": opts.pipeline,

@@ -258,6 +258,7 @@ class Program:
         self.pr_fast: tuple = ()      # (index, inner treedef, ranks, weak types) of per-replica ones
         self.donated: tuple = ()  # indices of argument leaves donated (deleted after a call)
         self.key: tuple = ()
+        self.ctx: Any = None  # jc.trace_context() of the calls it serves (set by the caller)
         self.call = None
         self.hit = None
         self.lower_times: dict[str, float] = {}
@@ -289,11 +290,14 @@ class Program:
 
     def _check_entry(self, args: tuple) -> None:
         """On a miss of the executable's own C++ cache: refuse arguments whose signature is
-        not exactly the key's (weak types included, which the executable does not check)."""
+        not exactly the key's (weak types included, which the executable does not check),
+        and calls in another JAX context (``jc.trace_context()``) than the program's."""
         leaves, treedef = jax.tree.flatten(args)
         if treedef != self.key[0] or len(leaves) != len(self.key[1]) or any(
                 type(x) is PerReplica or leaf_sig(x) != s for x, s in zip(leaves, self.key[1])):
             raise SignatureMismatch("arguments differ from the program's signature")
+        if jc.trace_context() != self.ctx:
+            raise SignatureMismatch("the JAX context differs from the program's")
 
     def run(self, leaves: list) -> Any:
         """One call: flat argument leaves (``PerReplica`` ones whole) in, results out."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from compiler.mesh import build_mesh
 from compiler.passes import DEFAULT_PIPELINE
+from ir import _jax_compat as jc
 from ir.graph import Graph
 from runtime import program as _prog
 from runtime.cache import CacheInfo, ExecutableCache
@@ -131,7 +132,7 @@ class Replicated:
         self.options = options or RunOptions()
         self.mesh = build_mesh(num_replicas, logical_devices, devices)
         self._cache = ExecutableCache()
-        self._fast: dict[Any, Program] = {}  # (treedef, statics) -> its last program
+        self._fast: dict[Any, Program] = {}  # (treedef, statics, context) -> its program
         self.layout = _prog.Layout(self.mesh, num_replicas, logical_devices)
         self.steps_per_call = steps_per_call
         self.donate = bool(donate)
@@ -241,7 +242,10 @@ class Replicated:
         if self._dynamic is not None:
             return self._dynamic.call(args, statics)
         leaves, treedef = _tree_flatten(args)
-        prog = self._fast.get((treedef, statics))
+        # JAX's context (default_matmul_precision, numpy_rank_promotion, x64, ...) changes
+        # what a trace gives, so it is part of every key, as it is of jit's
+        ctx = jc.trace_context()
+        prog = self._fast.get((treedef, statics, ctx))
         if prog is not None and self._fast_key_matches(prog, leaves):
             # The last program for this structure: the executable itself checks every
             # argument's shape and dtype (a TypeError before anything runs), but not weak
@@ -262,9 +266,11 @@ class Replicated:
                     return prog.out_treedef.unflatten(outs) if not prog.out_varying_any else \
                         prog.outputs(outs)
         key = self._key_from(leaves, treedef) + ((statics,) if statics else ())
-        prog = self._cache.get(key)
+        prog = self._cache.get((key, ctx))
         if prog is None:
-            prog = self._cache.get_or_build(key, lambda: self._build(leaves, treedef, key))
+            prog = self._cache.get_or_build((key, ctx),
+                                            lambda: self._build(leaves, treedef, key))
+        prog.ctx = ctx
         if prog.hit is not None:
             self._hit = prog.hit
         elif all(lay is None for lay in prog.in_layout) or self._process_count == 1:
@@ -277,7 +283,7 @@ class Replicated:
                                  for i, (s, lay) in enumerate(zip(sigs, prog.in_layout))
                                  if lay is not None)
             if prog.entry_tree is None:
-                self._fast[(treedef, statics)] = prog
+                self._fast[(treedef, statics, ctx)] = prog
         return prog.run(leaves)
 
     def _fast_inputs(self, prog: Program, leaves: list) -> list | None:

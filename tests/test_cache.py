@@ -471,3 +471,26 @@ def test_building_a_step_leaves_no_reference_cycles(dynamic):
     grads = [jax.jit(jax.grad(lambda w, x: fn(w, x)[1]))(w, x) for x in xs]
     np.testing.assert_allclose(new_w, w - 0.1 * (grads[0] + grads[1]) / 2, rtol=1e-5)
     np.testing.assert_allclose(losses.values, [jax.jit(fn)(w, x)[1] for x in xs], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_rank_promotion_context_is_part_of_the_key(dynamic):
+    """A cached step called under ``numpy_rank_promotion("raise")`` raises what jit
+    raises (it ran the cached "allow" program, silently, before JAX's context was part
+    of the key), and the "allow" program (its C++ fast path, or the dynamic path's
+    plan) serves the calls after the context ends."""
+    f = lambda a, v: jnp.sum(a + v)
+    a, v = jnp.ones((3,)), jnp.ones((2, 3))
+    step = rt.replicate(f, num_replicas=1, options=rt.RunOptions(dynamic_shapes=dynamic))
+    arg = (lambda x: rt.PerReplica([x])) if dynamic else (lambda x: x)
+    call = lambda v: float(rt.reduce("sum", step(a, arg(v))))
+    assert call(v) == call(v) == 12.0  # the second: a hit
+    with jax.numpy_rank_promotion("raise"):
+        with pytest.raises(ValueError, match="rank_promotion"):
+            jax.jit(f)(a, v)
+        with pytest.raises(ValueError, match="rank_promotion"):
+            call(v)
+    assert call(v) == 12.0
+    info = step.cache_info()
+    # builds: "allow" (kept) and "raise" (refused, nothing kept); the last call hit the first
+    assert (info.misses, info.currsize, info.hits) == (2, 1, 2)

@@ -185,3 +185,35 @@ def test_multi_step_options_are_part_of_the_persistent_key():
         assert f"steps_per_call={kw.get('steps_per_call', 1)}" in entries["options"]
         digests.add(digest(entries))
     assert len(digests) == 4
+
+
+def test_jax_context_is_part_of_the_persistent_key():
+    """A record made under one JAX context (matmul precision, rank promotion, ...) is not
+    another context's: the ``jax_config`` entry holds the whole trace context, thread-local
+    settings included, as the same text in every process."""
+    import jax
+    import numpy as np
+
+    import runtime as rt
+    from runtime.persistent import key_entries
+
+    s = rt.replicate(lambda a: a @ a, num_replicas=1)
+    key = s._key_of((np.ones((4, 4), np.float32),))[2]
+    plain = key_entries(s, key)["jax_config"]
+    with jax.default_matmul_precision("highest"):
+        highest = key_entries(s, key)["jax_config"]
+    with jax.numpy_rank_promotion("raise"):
+        strict = key_entries(s, key)["jax_config"]
+    assert len({plain, highest, strict}) == 3
+    assert "jax_default_matmul_precision='highest'" in highest
+    assert "jax_numpy_rank_promotion='raise'" in strict
+    assert " at 0x" not in plain and key_entries(s, key)["jax_config"] == plain
+    code = ("import os; os.environ['JAX_PLATFORMS'] = 'cpu'\n"
+            "import numpy as np, runtime as rt\n"
+            "from runtime.persistent import key_entries\n"
+            "s = rt.replicate(lambda a: a @ a, num_replicas=1)\n"
+            "print(key_entries(s, s._key_of((np.ones((4, 4), np.float32),))[2])['jax_config'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == plain
