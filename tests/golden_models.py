@@ -30,3 +30,16 @@ def divergent_user_all_reduce_step(w, x):
     h = x @ w
     h = jax.lax.cond(x[0, 0] > 0, lambda h: jax.lax.psum(h, "replica"), lambda h: h, h)
     return jnp.sum(h)
+
+
+def rnn_step(w, xs):
+    """An RNN over the replica's sequences: the transposed scan accumulates the gradient
+    of the mirrored ``w`` in a carry that starts at zero, with an all-reduce in every step
+    until hoist-collectives takes it out of the loop."""
+    def loss(w):
+        def body(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, jnp.sum(h)
+        h, ys = jax.lax.scan(body, jnp.zeros((2, 3)), xs)
+        return jnp.sum(h) + jnp.sum(ys)
+    return jax.grad(loss)(w)

@@ -43,6 +43,9 @@ CASES = [
     # golden_models.stochastic_depth_step after replication: the gradient all-reduce of
     # ``u`` leaves the transposed per-replica branch (the branch returns its addend)
     ("hoist_cond", "hoist_cond", "hoist-collectives", {"num_replicas": 4}),
+    # golden_models.rnn_step after replication: the all-reduce in every step of the
+    # transposed scan becomes one after it; the carry that accumulates it turns varying
+    ("hoist_scan", "hoist_scan", "hoist-collectives", {"num_replicas": 4}),
 ]
 
 

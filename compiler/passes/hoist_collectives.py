@@ -18,6 +18,16 @@ Contract, after ``replication`` (which sets every value's variance):
   ``all_reduce`` sum after the ``cond`` adds them up. By linearity Σ_r (taken_r ? a_r : 0)
   is the gradient of the global loss: replicas that skip the branch contribute zero, which
   is what the other branch returns there (a zero constant, or the same hoisted form).
+- **Hoisted from backward loops, exactly.** In a ``scan`` made by transposition (the
+  backward pass of an RNN, a scan over layers, a ``fori_loop``), every replica runs the
+  same steps, so a collective in the body is legal, but the gradient of a mirrored
+  weight then costs one all-reduce per step, and XLA:CPU's concurrent scheduler crashes
+  on two such loops at once (README, "Porting from pmap"). Where the body's all-reduce
+  sums reach the scan's outputs only linearly (as above) and are accumulated in carries
+  that start at zero (how JAX transposes a scan's constants) or stacked in per-step
+  outputs, the body keeps the replica's own addends and one ``all_reduce`` sum per such
+  output follows the scan: Σ_t Σ_r g_{t,r} = Σ_r Σ_t g_{t,r}. Otherwise the collective stays
+  in the loop, where it is correct.
 - **Refused.** Any other collective inside per-replica control flow (a user's
   ``all_reduce`` in a forward branch, a collective in a ``while`` with a per-replica
   predicate, a collective used non-linearly) is a ``DivergentCollectiveError`` naming the op and the
@@ -155,6 +165,17 @@ def _is_zero(v: Value, producers: dict[Value, Op]) -> bool:
     return val.dtype != object and not np.any(val)
 
 
+def _collective_dependents(g: Graph) -> set[Value]:
+    """The values of ``g`` computed from a collective's result in ``g`` (an op holding a
+    collective in a region counts as one)."""
+    tainted: set[Value] = set()
+    for op in g.ops:
+        if is_collective(op) or any(v in tainted for v in op.operands) or (
+                op.regions and _has_collective(op)):
+            tainted.update(op.results)
+    return tainted
+
+
 class _Refused(Exception):
     """A collective that cannot be taken out exactly (the message says which and why)."""
 
@@ -273,6 +294,20 @@ class _Lifter:
                                    f"the replica's addend nor zero where another returns an addend")
         return op.replace(regions=tuple(g for g, _ in lifted)), positions
 
+    def scan(self, op: Op, producers: dict[Value, Op]) -> tuple[Op, set[int]]:
+        """``op`` (a scan none of whose operands owes an all-reduce; ``producers``: of
+        the graph it is in) with its body lifted; the result positions that are partials."""
+        n_consts, n_carry = op.attr("num_consts"), op.attr("num_carry")
+        if n_consts is None or n_carry is None:
+            raise _Refused(f"scan{_where(op)} holds a collective and its carries are unknown")
+        body = op.regions[op.attr("jaxpr").index]
+        tainted = _collective_dependents(body)
+        # the accumulators: carries that start at zero and take a collective's result (a
+        # zero is every replica's addend of zero, so they start as partials)
+        reads = [n_consts <= k < n_consts + n_carry and body.outputs[k - n_consts] in tainted
+                 and _is_zero(v, producers) for k, v in enumerate(op.operands)]
+        return self._scan(op, reads, producers)
+
     def _scan(self, op: Op, reads: list[bool], producers: dict[Value, Op]) -> tuple[Op, set[int]]:
         n_consts, n_carry = op.attr("num_consts"), op.attr("num_carry")
         if n_consts is None or n_carry is None:
@@ -343,33 +378,41 @@ class HoistCollectivesPass:
                     regions.append(r)
                     changed |= c
                 op = op.replace(regions=tuple(regions))
+            hoisted = None
             if op.name == "cond" and is_t and _varying(op.operands[0]):
-                hoisted = self._hoist_cond(op)
-                if hoisted is not None:
-                    cond, positions = hoisted
-                    rw.emit(cond)
-                    for j in positions:
-                        r = cond.results[j]
-                        total = Value(r.type.with_replica(Replica.MIRRORED))
-                        rw.add(Op("all_reduce", (r,), (total,),
-                                  (("reduce", "sum"), ("axes", (REPLICA_AXIS,)),
-                                   ("gradient", True)), op.loc))
-                        rw.alias(op.results[j], total)
-                    changed = True
-                    continue
+                hoisted = self._hoist(op, lambda lifter: lifter.cond(op, set()), True)
+            elif op.name == "scan" and is_t:
+                hoisted = self._hoist(op, lambda lifter: lifter.scan(op, graph.producers()),
+                                      False)
+            if hoisted is not None:
+                new_op, positions = hoisted
+                rw.emit(new_op)
+                for j in positions:
+                    r = new_op.results[j]
+                    total = Value(r.type.with_replica(Replica.MIRRORED))
+                    rw.add(Op("all_reduce", (r,), (total,),
+                              (("reduce", "sum"), ("axes", (REPLICA_AXIS,)),
+                               ("gradient", True)), op.loc))
+                    rw.alias(op.results[j], total)
+                changed = True
+                continue
             rw.emit(op)
         return rw.finish(), changed
 
-    def _hoist_cond(self, op: Op) -> tuple[Op, list[int]] | None:
-        """The cond with every collective of its branches taken out (see ``_Lifter``),
-        and the result positions to sum after it; ``None`` when no branch holds a
-        collective or one cannot be taken out (the final check then names it)."""
+    def _hoist(self, op: Op, lift, required: bool) -> tuple[Op, list[int]] | None:
+        """``op`` (a cond or a scan) with every collective of its regions taken out (see
+        ``_Lifter``), and the result positions to sum after it; ``None`` when no region
+        holds a collective or one cannot be taken out. ``required``: the collective may
+        not stay (a per-replica cond: the final check then names it, with the reason kept
+        here); a scan's collective that cannot be taken out stays in the loop, where every
+        replica runs it equally often."""
         if not _has_collective(op):
             return None
         try:
-            new, positions = _Lifter(self.num_replicas).cond(op, set())
+            new, positions = lift(_Lifter(self.num_replicas))
         except _Refused as e:
-            self._why.append(str(e))
+            if required:
+                self._why.append(str(e))
             return None
         results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in positions else r
                         for j, r in enumerate(new.results))
