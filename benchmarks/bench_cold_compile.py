@@ -81,7 +81,7 @@ def main() -> None:
     res = _common.interleaved({"ours": ours, "jit": ref}, args.reps)
 
     med = statistics.median
-    print(f"jax {jax.__version__}, {n} CPU devices, global batch {args.batch}")
+    print(f"jax {jax.__version__}, {n} {jax.devices()[0].platform} devices, global batch {args.batch}")
     print("-- ours, per stage (medians):")
     for k, v in stages.items():
         print(f"   {k:<26} {_common.fmt(med(v))}")

@@ -134,7 +134,7 @@ def main() -> None:
             "sm XLA": statistics.median(c / jc for c, jc in zip(sm_comp, ref_comp))}
         rows.append((L, n_ops, med, total, own, statistics.median(xla),
                      statistics.median(ref_lower), statistics.median(ref_comp), paired))
-    print(f"jax {jax.__version__}, {n} CPU devices; medians of {args.reps} cold builds; ms")
+    print(f"jax {jax.__version__}, {n} {jax.devices()[0].platform} devices; medians of {args.reps} cold builds; ms")
     print(f"{'layers':>6} {'IR ops':>7} {'trace':>7} {'import':>7} {'passes':>7} {'retrace':>8} "
           f"{'HLO':>7} {'total':>7} {'us/op':>6} {'other':>6} {'XLA':>8} {'own/XLA':>8} | "
           f"{'jit lower':>9} {'jit XLA':>8} | {'lower':>6} {'XLA':>6} {'sm XLA':>6} | "
