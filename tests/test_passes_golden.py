@@ -203,3 +203,17 @@ def test_golden_copy_per_jax_version(tmp_path, monkeypatch):
     monkeypatch.setenv("UPDATE_GOLDEN", "1")
     irtest.check_golden("x.out.txt", "base\n")  # equal to the base again: the copy goes
     assert not own.exists() and base.read_text() == "base\n"
+
+
+def test_hoist_scan_leaves_an_all_reduce_over_more_axes_in_the_loop():
+    """Only an all-reduce over the replicas alone leaves a loop (the sum put back after
+    it is over the replicas): one that also sums over another axis stays where it is."""
+    text = (GOLDEN / "hoist_scan.in.txt").read_text()
+    one = "all_reduce(%49) {reduce='sum', axes=('replica',)}"
+    assert text.count(one) == 1
+    graph = parse(text.replace(one, one.replace("('replica',)", "('replica', 'b')")))
+    out = PassManager(parse_pipeline("hoist-collectives", num_replicas=4), verify=True,
+                      dump_dir="").run(graph)
+    inside = [op.attr("axes") for op, g in out.walk() if op.name == "all_reduce" and g is not out]
+    assert inside == [("replica", "b")]
+    assert not [op for op in out.ops if op.name == "all_reduce"]

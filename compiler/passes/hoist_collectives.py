@@ -232,6 +232,9 @@ class _Lifter:
                partial: set[Value]) -> None:
         if op.name != "all_reduce" or op.attr("reduce") not in ("sum", "mean"):
             raise _Refused(f"{op.name}{_where(op)} is not a linear all-reduce")
+        if tuple(op.attr("axes", ())) != (REPLICA_AXIS,):
+            # the sum put back after the region is over the replicas alone
+            raise _Refused(f"{op.name}{_where(op)} also reduces over {op.attr('axes')}")
         if any(reads):
             raise _Refused(f"{op.name}{_where(op)} all-reduces a value that already owes one")
         for x, r in zip(ins, op.results):
