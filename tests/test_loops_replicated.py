@@ -117,9 +117,20 @@ def nested_rnn(p, xs):
     return jnp.mean(hs ** 2)
 
 
+def remat_layers(p, xs):
+    """Layers scanned with ``jax.checkpoint`` on each (how large models are trained):
+    each layer's weight gradient is a per-step output of the backward scan, computed
+    inside the checkpoint's region."""
+    @jax.checkpoint
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+    h, _ = lax.scan(layer, xs[-1], p["ws"])
+    return jnp.mean(h ** 2)
+
+
 @pytest.mark.parametrize("loss, shape", [(rnn_scan, (3, 4)), (rnn_fori, (3, 4)),
-                                         (nested_rnn, (3, 3))],
-                         ids=["scan", "fori", "nested"])
+                                         (nested_rnn, None), (remat_layers, None)],
+                         ids=["scan", "fori", "nested", "remat_layers"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_backward_loop_all_reduces_once_after_it(loss, shape, reduction):
     """The transposed loop accumulates each weight's gradient in a carry that starts at
@@ -129,7 +140,7 @@ def test_backward_loop_all_reduces_once_after_it(loss, shape, reduction):
     against one device on the global batch."""
     n = 4
     rng = np.random.default_rng(3)
-    p = ({"ws": rng.normal(size=(2, 3, 3)).astype(np.float32) * 0.5} if loss is nested_rnn else
+    p = ({"ws": rng.normal(size=(2, 3, 3)).astype(np.float32) * 0.5} if shape is None else
          {"w": rng.normal(size=(4, 4)).astype(np.float32) * 0.5,
           "u": rng.normal(size=shape).astype(np.float32) * 0.5})
     xs = rng.normal(size=(2 * n, 5, 3)).astype(np.float32)    # batch-major

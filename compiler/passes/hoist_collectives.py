@@ -19,10 +19,11 @@ Contract, after ``replication`` (which sets every value's variance):
   is the gradient of the global loss: replicas that skip the branch contribute zero, which
   is what the other branch returns there (a zero constant, or the same hoisted form).
 - **Hoisted from backward loops, exactly.** In a ``scan`` made by transposition (the
-  backward pass of an RNN, a scan over layers, a ``fori_loop``), every replica runs the
-  same steps, so a collective in the body is legal, but the gradient of a mirrored
-  weight then costs one all-reduce per step, and XLA:CPU's concurrent scheduler crashes
-  on two such loops at once (README, "Porting from pmap"). Where the body's all-reduce
+  backward pass of an RNN, a scan over layers, ``jax.checkpoint`` ones included, a
+  ``fori_loop``), every replica runs the same steps, so a collective in the body is
+  legal, but the gradient of a mirrored weight then costs one all-reduce per step, and
+  XLA:CPU's concurrent scheduler crashes on two such loops at once (README, "Porting
+  from pmap"). Where the body's all-reduce
   sums reach the scan's outputs only linearly (as above) and are accumulated in carries
   that start at zero (how JAX transposes a scan's constants) or stacked in per-step
   outputs, the body keeps the replica's own addends and one ``all_reduce`` sum per such
@@ -63,6 +64,9 @@ LINEAR = frozenset({"add_any", "add", "sub", "neg", "reshape", "transpose", "squ
                     "unstack", "split", "reduce_precision"})
 _ONE_SIDED = frozenset({"mul", "dot_general", "div"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
+#: rematerialization (``jax.checkpoint``): a region of one graph, its inputs the operands,
+#: kept as an op (inlining it would let XLA merge the recomputation away)
+_REMAT = frozenset({"remat2", "checkpoint", "remat"})
 
 
 def is_collective(op: Op) -> bool:
@@ -198,7 +202,8 @@ class _Lifter:
     ``_Refused``), and its result is a partial too. Regions are lifted recursively:
     ``scan`` (partials in the per-step outputs, or accumulated in a carry that starts
     at zero), ``cond`` (any index: a branch returns a partial or zero at each such
-    output) and calls (inlined). The caller all-reduces the outputs that are partials:
+    output), ``jax.checkpoint`` (its region lifted, the op kept) and calls (inlined).
+    The caller all-reduces the outputs that are partials:
     Σ_r of the replicas' addends is the sum the collectives computed, whichever branches
     or steps each replica ran."""
 
@@ -277,6 +282,10 @@ class _Lifter:
             if reads[0]:
                 raise _Refused(f"cond{_where(op)} branches on a value that owes an all-reduce")
             new, outs = self.cond(op, {i - 1 for i, r in enumerate(reads) if r and i > 0})
+        elif op.name in _REMAT and len(op.regions) == 1 and \
+                len(op.regions[0].inputs) == len(op.operands):
+            region, outs = self.lift(op.regions[0], {i for i, r in enumerate(reads) if r})
+            new = op.replace(regions=(region,))
         else:
             raise _Refused(f"{op.name}{_where(op)} holds a collective in a region")
         emitted = rw.emit(new, result_types=tuple(
