@@ -239,6 +239,8 @@ class Replicated:
         """The general path: the dynamic path, or the key, the cache and a program's run."""
         if self.layout.compile_only:
             raise self._compile_only_error()
+        if jax.config.jax_disable_jit:
+            raise self._disable_jit_error()
         if self._dynamic is not None:
             return self._dynamic.call(args, statics)
         leaves, treedef = _tree_flatten(args)
@@ -338,6 +340,14 @@ class Replicated:
         _check_same_signature(prog.key, key + ((statics,) if statics else ()))
         return prog.compile().run(leaves)
 
+    def _disable_jit_error(self) -> Exception:
+        return RuntimeError(
+            f"{self.__name__}: jax.disable_jit() is on, but a replicated step runs only as one "
+            f"compiled program over its {self.num_replicas} replicas (its collectives need "
+            f"every replica at once); call it outside disable_jit. To look inside the step: "
+            f"jax.debug.print / jax.debug.callback in it, or RunOptions(dump_dir=...) for the "
+            f"IR after every pass")
+
     def _compile_only_error(self) -> Exception:
         from runtime.tpu import CompileOnlyError
         d = self.layout.devices_nk.flat[0]
@@ -378,6 +388,8 @@ class Replicated:
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace, run the passes and lower for these arguments (arrays or
         ``jax.ShapeDtypeStruct``, ``PerReplica`` of either for per-replica inputs)."""
+        if jax.config.jax_disable_jit:
+            raise self._disable_jit_error()
         args, statics = self._split_call(args, kwargs) if (
             kwargs or self._statics_or_kwargs) else (args, ())
         if self._dynamic is not None:  # dynamic shapes: needs arrays (their real sizes)

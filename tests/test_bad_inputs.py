@@ -567,3 +567,20 @@ def test_dynamic_shape_mistake_names_the_op_and_line(name, fn, k, opts, exc, pat
     msg = str(e.value)
     assert re.search(pattern, msg), f"{msg!r} does not match {pattern!r}"
     assert f"{HERE}:{_line(fn, marker)}" in msg, msg
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after a call"])
+def test_disable_jit_is_a_clear_error(warm):
+    """Under ``jax.disable_jit()`` a step says why it cannot run eagerly (JAX's own error
+    named a ``jit(body)`` the user never wrote), before and after a compiled call, and the
+    step works again once the context ends."""
+    step = rt.replicate(lambda w, x: jnp.sum(x @ w), num_replicas=2)
+    step.__name__ = "my_step"
+    w, x = np.ones((3, 3), np.float32), rt.PerReplica([np.ones((2, 3), np.float32)] * 2)
+    if warm:
+        step(w, x)
+    with jax.disable_jit():
+        for call in (lambda: step(w, x), lambda: step.lower(w, x)):
+            with pytest.raises(RuntimeError, match=r"my_step: jax.disable_jit\(\) is on.*2 replicas"):
+                call()
+    np.testing.assert_allclose(rt.reduce("sum", step(w, x)), 36.0)

@@ -23,12 +23,12 @@ Contract, after ``replication`` (which sets every value's variance):
   ``fori_loop``), every replica runs the same steps, so a collective in the body is
   legal, but the gradient of a mirrored weight then costs one all-reduce per step, and
   XLA:CPU's concurrent scheduler crashes on two such loops at once (README, "Porting
-  from pmap"). Where the body's all-reduce
-  sums reach the scan's outputs only linearly (as above) and are accumulated in carries
-  that start at zero (how JAX transposes a scan's constants) or stacked in per-step
-  outputs, the body keeps the replica's own addends and one ``all_reduce`` sum per such
-  output follows the scan: Σ_t Σ_r g_{t,r} = Σ_r Σ_t g_{t,r}. Otherwise the collective stays
-  in the loop, where it is correct.
+  from pmap"). Where the body's all-reduce sums reach the scan's outputs only linearly
+  (as above) and are accumulated in carries that start at zero (how JAX transposes a
+  scan's constants) or stacked in per-step outputs, the body keeps the replica's own
+  addends and one ``all_reduce`` sum per such output follows the scan:
+  Σ_t Σ_r g_{t,r} = Σ_r Σ_t g_{t,r}. Otherwise the collective stays in the loop, where
+  every replica runs it equally often: correct, only slower.
 - **Refused.** Any other collective inside per-replica control flow (a user's
   ``all_reduce`` in a forward branch, a collective in a ``while`` with a per-replica
   predicate, a collective used non-linearly) is a ``DivergentCollectiveError`` naming the op and the
