@@ -2,7 +2,9 @@
 
 Key: everything that changes the program: the input pytree structure, every leaf's
 shape, dtype and weak type (after bucketing), which inputs are per-replica, static
-options and the mesh with its device order. The function itself is implicit: each
+options, the mesh with its device order, and JAX's trace context (``jc.trace_context()``:
+``default_matmul_precision``, ``numpy_rank_promotion``, x64, ... as ``jax.jit`` keys on
+it; the callers add it to the key). The function itself is implicit: each
 ``replicate`` object owns its cache. Two threads asking for a cold key compile once:
 the first builds, the others wait for its result (or its exception)."""
 from __future__ import annotations
