@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import _common  # noqa: F401  (sets XLA_FLAGS and sys.path before JAX is imported)
 
-import re  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,9 +39,9 @@ def step(p, xs, ys):
 
 def loop_all_reduces(hlo: str) -> tuple[int, int]:
     """(all-reduces in a while body, all-reduces elsewhere) of a compiled HLO text."""
-    from compiler.hlo_report import collectives
+    from compiler.hlo_report import collectives, while_bodies
 
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    bodies = while_bodies(hlo)
     found = [c.computation in bodies for c in collectives(hlo) if c.kind == "all-reduce"]
     return sum(found), len(found) - sum(found)
 

@@ -35,7 +35,7 @@ from typing import Any, Iterable
 from ir.errors import IRError
 
 __all__ = ["Collective", "HloReportError", "KINDS", "collectives", "summarize", "to_json",
-           "parse_replica_groups", "shape_bytes"]
+           "parse_replica_groups", "shape_bytes", "while_bodies"]
 
 #: The collective kinds reported, by their HLO opcode.
 KINDS: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -506,6 +506,16 @@ def collectives(hlo_text: str) -> list[Collective]:
         if is_start:
             starts[(computation, instr.name)] = len(out) - 1
     return out
+
+
+_WHILE_BODY_RE = re.compile(r"\bwhile\(.*?\bbody=%?(?P<name>[\w.\-]+)")
+
+
+def while_bodies(hlo_text: str) -> frozenset[str]:
+    """The names of the computations that are a ``while`` loop's body in HLO module text:
+    a collective whose :attr:`Collective.computation` is one of them runs once per
+    iteration (e.g. a gradient all-reduce left in every step of a backward loop)."""
+    return frozenset(m.group("name") for m in _WHILE_BODY_RE.finditer(hlo_text))
 
 
 def _groups_text(c: Collective, limit: int = 48) -> str:

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from compiler.hlo_report import (Collective, HloReportError, collectives, parse_replica_groups,
-                                 shape_bytes, summarize, to_json)
+                                 shape_bytes, summarize, to_json, while_bodies)
 
 # A (2, 4) mesh named ('a', 'b'); each device holds an f32[8, 16] block of f32[16, 64].
 MESH_SHAPE = (2, 4)
@@ -278,3 +278,18 @@ def test_bad_replica_groups_name_the_instruction() -> None:
     bad = "ENTRY %m (p: f32[4]) -> f32[4] {\n  %ar.7 = f32[4]{0} all-reduce(%p), replica_groups=??\n}\n"
     with pytest.raises(HloReportError, match="ar.7"):
         collectives(bad)
+
+
+def test_while_bodies_hold_the_collectives_run_every_step() -> None:
+    """A psum in a scan's body is in a while body of the compiled HLO; one after the
+    scan is not (what the backward-loop tests in test_loops_replicated.py rely on)."""
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("i",))
+
+    def body(xs):
+        h, _ = lax.scan(lambda c, x: (c + lax.psum(x, "i"), None), jnp.zeros(3), xs)
+        return lax.psum(h * 2.0, "i")[None]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    text = f.lower(jnp.ones((4 * 5, 3))).compile().as_text()
+    bodies = while_bodies(text)
+    where = [c.computation in bodies for c in collectives(text) if c.kind == "all-reduce"]
+    assert sorted(where) == [False, True], where

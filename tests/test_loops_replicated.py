@@ -99,10 +99,9 @@ def _collectives_in_loops(graph) -> list[str]:
 
 def _hlo_loop_all_reduces(compiled) -> list[str]:
     """All-reduces of the compiled HLO whose computation is a while loop's body."""
-    import re
+    from compiler.hlo_report import while_bodies
 
-    text = compiled.as_text()
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    bodies = while_bodies(compiled.as_text())
     return [c.name for c in compiled.collectives()
             if c.kind == "all-reduce" and c.computation in bodies]
 

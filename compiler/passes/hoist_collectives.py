@@ -39,6 +39,7 @@ that leaves this pass out fails instead of hanging.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -376,10 +377,11 @@ class HoistCollectivesPass:
 
     def _rewrite(self, graph: Graph, enclosing: bool,
                  memo: RegionMemo) -> tuple[Graph, bool]:
-        """``graph`` with the conds it can hoist hoisted, and whether anything changed;
-        a region several ops share is rewritten once per ``enclosing``."""
+        """``graph`` with the conds and scans it can hoist hoisted, and whether anything
+        changed; a region several ops share is rewritten once per ``enclosing``."""
         rw = Rewriter(graph)
         changed = False
+        producers = functools.cache(graph.producers)  # for the scans' zero carries, once
         for op in graph.ops:
             is_t = transposed(op, enclosing)
             if op.regions:
@@ -394,8 +396,7 @@ class HoistCollectivesPass:
             if op.name == "cond" and is_t and _varying(op.operands[0]):
                 hoisted = self._hoist(op, lambda lifter: lifter.cond(op, set()), True)
             elif op.name == "scan" and is_t:
-                hoisted = self._hoist(op, lambda lifter: lifter.scan(op, graph.producers()),
-                                      False)
+                hoisted = self._hoist(op, lambda lifter: lifter.scan(op, producers()), False)
             if hoisted is not None:
                 new_op, positions = hoisted
                 rw.emit(new_op)

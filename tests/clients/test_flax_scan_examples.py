@@ -17,8 +17,6 @@ not in every step (``hoist-collectives``).
 """
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +24,7 @@ import pytest
 from flax import linen as nn
 
 import runtime as rt
+from compiler.hlo_report import while_bodies
 from tests.clients._harness import REPLICAS, Port, Split, check_port
 
 GLOBAL_BATCH = 16
@@ -123,8 +122,7 @@ def test_flax_scan_example_all_reduces_once_per_loop(name):
     model, params, batches = _setup(name)
     step = rt.replicate(make_train_step(model), num_replicas=n, axis_name="batch")
     compiled = step.lower(params, rt.distribute(batches[0], n)).compile()
-    text = compiled.as_text()
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    bodies = while_bodies(compiled.as_text())
     assert bodies, "the step has no loop: the port lost its scan"
     in_loops = [c.name for c in compiled.collectives()
                 if c.kind == "all-reduce" and c.computation in bodies]
