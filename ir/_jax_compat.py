@@ -583,12 +583,146 @@ def _install_call_inlining() -> None:
     prim.bind = bind
 
 
+# -- branches and loop carries that differ in what varies -----------------------------
+# Under shard_map(check_vma=True), ``lax.cond(p, lambda: 0.0, lambda: local_loss)`` is a
+# type error: one branch's output is mirrored, the other's per-replica, and JAX asks for a
+# ``pcast`` by hand. So is a loop whose carry becomes per-replica only after another one
+# did (an L-BFGS state whose memory follows a per-replica value): JAX promotes a loop's
+# initial carry once (``_install_carry_promotion``), not to a fixed point. pmap (where
+# everything varies) and TF run both, with per-replica results. While we trace a replica
+# (and only then), ``jax.lax.cond`` / ``switch`` / ``while_loop`` / ``scan`` trace again
+# with each such branch output or initial carry cast to the union of the varying axes
+# JAX found: the casts its message asks for, values unchanged (the transpose of a cast
+# sums a mirrored value's cotangent over the replicas, as JAX's implicit casts do). A
+# difference in shape or dtype is still JAX's error.
+class _VaryingTypes(Exception):
+    """Branch outputs or loop carries that differ only in their varying axes: ``axes``,
+    per flat output or carry, the union to cast to."""
+
+    def __init__(self, axes: list[frozenset]):
+        super().__init__("types differ only in their varying axes")
+        self.axes = axes
+
+
+#: set by the wrappers below: a branch or carry check may ask them to trace again
+_PROMOTING = contextvars.ContextVar("promoting_varying_types", default=False)
+
+
+def _only_varying_differs(avals1: Any, avals2: Any) -> list[frozenset] | None:
+    if getattr(avals1, "tree", None) != getattr(avals2, "tree", None):
+        return None
+    avals1, avals2 = list(avals1), list(avals2)
+    if len(avals1) != len(avals2):
+        return None
+    union, differs = [], False
+    for a1, a2 in zip(avals1, avals2):
+        v1, v2 = varying_axes(a1), varying_axes(a2)
+        # (weak types may differ: JAX's check ignores them, as its typematch does)
+        if (getattr(a1, "shape", None) != getattr(a2, "shape", None)
+                or getattr(a1, "dtype", None) != getattr(a2, "dtype", None)):
+            return None
+        differs |= v1 != v2
+        union.append(v1 | v2)
+    return union if differs else None
+
+
+def _cast_tree(tree: Any, axes: list[frozenset]) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, want in zip(leaves, axes):
+        extra = want - varying_axes(jax.typeof(x))
+        out.append(jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x)
+    return treedef.unflatten(out)
+
+
+def _cast_branch(fn: Any, axes: list[frozenset]) -> Any:
+    return lambda *args, **kwargs: _cast_tree(fn(*args, **kwargs), axes)
+
+
+def _to_fixed_point(run: Any) -> Any:
+    """``run(None)``; while JAX finds types that differ only in their varying axes,
+    ``run(axes)`` again with the union so far (each round adds an axis to some output
+    or carry; one that adds none is JAX's own error)."""
+    axes: list[frozenset] | None = None
+    token = _PROMOTING.set(True)
+    try:
+        while True:
+            try:
+                return run(axes)
+            except _VaryingTypes as e:
+                grown = e.axes if axes is None else [a | b for a, b in zip(axes, e.axes)]
+                if grown == axes:
+                    break
+                axes = grown
+    finally:
+        _PROMOTING.reset(token)
+    return run(axes)  # (with _PROMOTING off: JAX's own error)
+
+
+def _install_varying_promotion() -> None:
+    from jax._src.lax.control_flow import conditionals, loops
+    import jax._src.lax.control_flow as control_flow
+
+    if getattr(conditionals._check_branch_outputs, "_replicate_hlo", False):
+        return
+
+    def checking(check):
+        def checked(*args):
+            if _PROMOTING.get() and _VARYING_CARRIES.get():
+                union = _only_varying_differs(args[-2], args[-1])
+                if union is not None:
+                    raise _VaryingTypes(union)
+            return check(*args)
+        checked._replicate_hlo = True
+        return checked
+
+    # (api_name, name1, name2, f1, f2, out_avals1, out_avals2); (name, fun, in, out)
+    conditionals._check_branch_outputs = checking(conditionals._check_branch_outputs)
+    loops._check_carry_type = checking(loops._check_carry_type)
+    orig = {"cond": conditionals.cond, "switch": conditionals.switch,
+            "while_loop": loops.while_loop, "scan": loops.scan}
+
+    def cond(pred, true_fun, false_fun, *operands, **kwargs):
+        return _to_fixed_point(lambda axes: orig["cond"](
+            pred, *(f if axes is None else _cast_branch(f, axes) for f in (true_fun, false_fun)),
+            *operands, **kwargs))
+
+    def switch(index, branches, *operands, **kwargs):
+        return _to_fixed_point(lambda axes: orig["switch"](
+            index, [f if axes is None else _cast_branch(f, axes) for f in branches],
+            *operands, **kwargs))
+
+    def while_loop(cond_fun, body_fun, init_val):
+        return _to_fixed_point(lambda axes: orig["while_loop"](
+            cond_fun, body_fun, init_val if axes is None else _cast_tree(init_val, axes)))
+
+    def scan(f, init, *args, **kwargs):
+        return _to_fixed_point(lambda axes: orig["scan"](
+            f, init if axes is None else _cast_tree(init, axes), *args, **kwargs))
+
+    for name, fn in (("cond", cond), ("switch", switch), ("while_loop", while_loop),
+                     ("scan", scan)):
+        original = orig[name]
+
+        @functools.wraps(original)
+        def wrapper(*args, _fn=fn, _original=original, **kwargs):
+            if not _VARYING_CARRIES.get():
+                return _original(*args, **kwargs)
+            return _fn(*args, **kwargs)
+        wrapper._replicate_hlo = True
+        for module in (jax.lax, control_flow, conditionals, loops):
+            if getattr(module, name, None) is original:
+                setattr(module, name, wrapper)
+
+
 @contextlib.contextmanager
 def varying_loop_carries():
     """While active (tracing one replica), loop carries that start mirrored but become
-    varying are cast, and a call of a jaxpr whose operands vary where the callee's inputs
-    do not is evaluated inline (see above): both keep JAX's per-replica types right."""
+    varying are cast (to a fixed point, with cond/switch branch outputs that differ
+    only in what varies), and a call of a jaxpr whose operands vary where the callee's inputs
+    do not is evaluated inline (see above): all keep JAX's per-replica types right."""
     _install_carry_promotion()
+    _install_varying_promotion()
     _install_call_inlining()
     token = _VARYING_CARRIES.set(True)
     try:

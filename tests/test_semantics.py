@@ -259,3 +259,75 @@ def test_pipeline_without_hoisting_still_never_runs_a_divergent_collective():
                         options=rt.RunOptions(pipeline="replication,cross-replica-sum,sharding,dce"))
     with pytest.raises((DivergentCollectiveError, PassError)):
         step(np.ones((3, 2), np.float32), rt.distribute(np.ones((4, 3), np.float32), 2))
+
+
+# -- branches and loop carries that differ in what varies (ir/_jax_compat.py) ------------
+# JAX's shard_map types refuse these; pmap and TF run them with per-replica results.
+_XS = np.arange(24, dtype=np.float32).reshape(4, 6) / 10.0
+
+
+def _cond_mixed(w, x, k):
+    """A branch with a mirrored output and one with a per-replica output."""
+    return lax.cond(k > 0, lambda v: v.sum() * 0.0 + 1.0, lambda v: (v * x).sum(), w)
+
+
+def _switch_mixed(w, x, k):
+    return lax.switch(k, [lambda v: v.sum(), lambda v: (v * x).mean(), lambda v: v.max()], w)
+
+
+def _while_cascade(w, x, k):
+    """b becomes per-replica only after a did: JAX promotes one level, this takes two."""
+    def body(c):
+        a, b, i = c
+        return a + x.sum(), b + a, i + 1
+    return lax.while_loop(lambda c: c[2] < k + 3, body, (w.sum(), w.mean(), 0))[:2]
+
+
+def _scan_cascade(w, x, k):
+    def body(c, _):
+        a, b = c
+        return (a + x.sum(), b * 0.5 + a), b
+    return lax.scan(body, (w.sum(), w.mean()), None, length=3)
+
+
+@pytest.mark.parametrize("fn", [_cond_mixed, _switch_mixed, _while_cascade, _scan_cascade])
+@pytest.mark.parametrize("k", [0, 1])
+def test_branches_and_carries_that_become_per_replica(fn, k):
+    n = 4
+    w = np.linspace(-1.0, 1.0, 6, dtype=np.float32)
+    out = rt.replicate(lambda w, x, k: fn(w, x, k), num_replicas=n)(
+        w, rt.PerReplica(list(_XS)), np.int32(k))
+    ref = jax.jit(fn)
+    for r in range(n):
+        want = ref(w, _XS[r], np.int32(k))
+        got = jax.tree.map(lambda v: v.values[r] if isinstance(v, rt.PerReplica) else v, out,
+                           is_leaf=lambda v: isinstance(v, rt.PerReplica))
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-6, err_msg=f"replica {r}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_through_a_mirrored_branch_output_cast_to_varying(reduction):
+    """The cast's transpose sums a mirrored branch output's cotangent over the replicas:
+    the gradient is c times the sum of the replicas' own, as for any mirrored value."""
+    n = 4
+    w = np.linspace(-1.0, 1.0, 6, dtype=np.float32)
+
+    def loss(w, x, k):
+        y = lax.cond(k > 0, lambda v: v * 2.0, lambda v: v * x, w)
+        return (y * y).sum()
+
+    grad = rt.replicate(jax.grad(loss), num_replicas=n, loss_reduction=reduction)
+    c = 1.0 / n if reduction == "mean" else 1.0
+    for k in (0, 1):
+        got = grad(w, rt.PerReplica(list(_XS)), np.int32(k))
+        assert not isinstance(got, rt.PerReplica)
+        want = c * sum(jax.grad(loss)(w, _XS[r], np.int32(k)) for r in range(n))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+def test_branches_that_differ_in_shape_are_still_jaxs_error():
+    def step(w, x):
+        return lax.cond(x.sum() > 0, lambda v: v, lambda v: v[:2], w)
+    with pytest.raises(TypeError, match="cond branch"):
+        rt.replicate(step, num_replicas=2)(np.ones(4, np.float32), rt.PerReplica([np.ones(2)] * 2))
