@@ -273,13 +273,12 @@ def varying_axes(aval: Any) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-def to_varying(x: Any, axis: str) -> Any:
-    """``x`` typed as varying over the manual mesh axis ``axis`` (values unchanged); a
-    value that already varies over it is returned as it is. Its transpose, in a
-    gradient, is a sum over ``axis``."""
-    if axis in varying_axes(jax.typeof(x)):
-        return x
-    return jax.lax.pcast(x, (axis,), to="varying")
+def to_varying(x: Any, axes: str | frozenset) -> Any:
+    """``x`` typed as varying over the manual mesh axis ``axes`` (a name, or a set of
+    them) too, values unchanged; a value that already varies over them is returned as it
+    is. Its transpose, in a gradient, is a sum over the axes it added."""
+    extra = ({axes} if isinstance(axes, str) else set(axes)) - varying_axes(jax.typeof(x))
+    return jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x
 
 
 def is_sharding(v: Any) -> bool:
@@ -546,11 +545,8 @@ def _install_carry_promotion() -> None:
 
     def promote(in_val, in_aval, out_aval):
         val, changed = orig(in_val, in_aval, out_aval)
-        if _VARYING_CARRIES.get():
-            extra = varying_axes(out_aval) - varying_axes(in_aval)
-            if extra:
-                val = jax.lax.pcast(val, tuple(sorted(extra)), to="varying")
-                changed = True
+        if _VARYING_CARRIES.get() and varying_axes(out_aval) - varying_axes(in_aval):
+            val, changed = to_varying(val, varying_axes(out_aval)), True
         return val, changed
 
     promote._replicate_hlo = True
@@ -594,7 +590,10 @@ def _install_call_inlining() -> None:
 # with each such branch output or initial carry cast to the union of the varying axes
 # JAX found: the casts its message asks for, values unchanged (the transpose of a cast
 # sums a mirrored value's cotangent over the replicas, as JAX's implicit casts do). A
-# difference in shape or dtype is still JAX's error.
+# difference in shape or dtype is still JAX's error, and so is one met through a
+# reference to JAX's own function taken before our first trace (``from jax.lax import
+# cond`` at import time; ``_install_carry_promotion``'s one level still serves loops
+# reached that way).
 class _VaryingTypes(Exception):
     """Branch outputs or loop carries that differ only in their varying axes: ``axes``,
     per flat output or carry, the union to cast to."""
@@ -604,8 +603,11 @@ class _VaryingTypes(Exception):
         self.axes = axes
 
 
-#: set by the wrappers below: a branch or carry check may ask them to trace again
-_PROMOTING = contextvars.ContextVar("promoting_varying_types", default=False)
+#: the functions (branches, or a loop's body) that the innermost wrapper below handed
+#: JAX: only their check may ask it to trace again (a cond reached through a reference
+#: to JAX's own function, inside a wrapped loop's body, keeps JAX's error)
+_PROMOTING: contextvars.ContextVar[tuple] = contextvars.ContextVar("promoting_varying_types",
+                                                                  default=())
 
 
 def _only_varying_differs(avals1: Any, avals2: Any) -> list[frozenset] | None:
@@ -628,35 +630,36 @@ def _only_varying_differs(avals1: Any, avals2: Any) -> list[frozenset] | None:
 
 def _cast_tree(tree: Any, axes: list[frozenset]) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    out = []
-    for x, want in zip(leaves, axes):
-        extra = want - varying_axes(jax.typeof(x))
-        out.append(jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x)
-    return treedef.unflatten(out)
+    return treedef.unflatten([to_varying(x, want) for x, want in zip(leaves, axes)])
 
 
 def _cast_branch(fn: Any, axes: list[frozenset]) -> Any:
-    return lambda *args, **kwargs: _cast_tree(fn(*args, **kwargs), axes)
+    @functools.wraps(fn)  # (JAX's messages name the user's function)
+    def branch(*args: Any, **kwargs: Any) -> Any:
+        return _cast_tree(fn(*args, **kwargs), axes)
+    return branch
 
 
-def _to_fixed_point(run: Any) -> Any:
-    """``run(None)``; while JAX finds types that differ only in their varying axes,
-    ``run(axes)`` again with the union so far (each round adds an axis to some output
-    or carry; one that adds none is JAX's own error)."""
+def _to_fixed_point(functions: Any, call: Any) -> Any:
+    """``call(functions(None), None)``; while JAX finds that the types of those
+    functions' outputs or carries differ only in their varying axes, again with
+    ``axes``, the union so far (each round adds an axis to some output or carry; one
+    that adds none is JAX's own error). ``functions(axes)``: the branches or the loop
+    body this round hands JAX."""
     axes: list[frozenset] | None = None
-    token = _PROMOTING.set(True)
-    try:
-        while True:
-            try:
-                return run(axes)
-            except _VaryingTypes as e:
-                grown = e.axes if axes is None else [a | b for a, b in zip(axes, e.axes)]
-                if grown == axes:
-                    break
-                axes = grown
-    finally:
-        _PROMOTING.reset(token)
-    return run(axes)  # (with _PROMOTING off: JAX's own error)
+    while True:
+        fns = tuple(functions(axes))
+        token = _PROMOTING.set(fns)
+        try:
+            return call(fns, axes)
+        except _VaryingTypes as e:
+            grown = e.axes if axes is None else [a | b for a, b in zip(axes, e.axes)]
+            if grown == axes:
+                break
+            axes = grown
+        finally:
+            _PROMOTING.reset(token)
+    return call(tuple(functions(axes)), axes)  # (no wrapper's functions: JAX's own error)
 
 
 def _install_varying_promotion() -> None:
@@ -666,9 +669,10 @@ def _install_varying_promotion() -> None:
     if getattr(conditionals._check_branch_outputs, "_replicate_hlo", False):
         return
 
-    def checking(check):
+    def checking(check, checked_functions):
         def checked(*args):
-            if _PROMOTING.get() and _VARYING_CARRIES.get():
+            owned = _PROMOTING.get()
+            if owned and any(f is o for f in checked_functions(args) for o in owned):
                 union = _only_varying_differs(args[-2], args[-1])
                 if union is not None:
                     raise _VaryingTypes(union)
@@ -676,28 +680,30 @@ def _install_varying_promotion() -> None:
         checked._replicate_hlo = True
         return checked
 
-    # (api_name, name1, name2, f1, f2, out_avals1, out_avals2); (name, fun, in, out)
-    conditionals._check_branch_outputs = checking(conditionals._check_branch_outputs)
-    loops._check_carry_type = checking(loops._check_carry_type)
+    # (api_name, name1, name2, f1, f2, out_avals1, out_avals2); (name, body, in, out)
+    conditionals._check_branch_outputs = checking(conditionals._check_branch_outputs,
+                                                  lambda args: args[3:5])
+    loops._check_carry_type = checking(loops._check_carry_type, lambda args: args[1:2])
     orig = {"cond": conditionals.cond, "switch": conditionals.switch,
             "while_loop": loops.while_loop, "scan": loops.scan}
 
-    def cond(pred, true_fun, false_fun, *operands, **kwargs):
-        return _to_fixed_point(lambda axes: orig["cond"](
-            pred, *(f if axes is None else _cast_branch(f, axes) for f in (true_fun, false_fun)),
-            *operands, **kwargs))
+    def branches(fns, axes):
+        return fns if axes is None else [_cast_branch(f, axes) for f in fns]
 
-    def switch(index, branches, *operands, **kwargs):
-        return _to_fixed_point(lambda axes: orig["switch"](
-            index, [f if axes is None else _cast_branch(f, axes) for f in branches],
-            *operands, **kwargs))
+    def cond(pred, true_fun, false_fun, *operands, **kwargs):
+        return _to_fixed_point(lambda axes: branches((true_fun, false_fun), axes),
+                               lambda fns, _: orig["cond"](pred, *fns, *operands, **kwargs))
+
+    def switch(index, fns, *operands, **kwargs):
+        return _to_fixed_point(lambda axes: branches(list(fns), axes),
+                               lambda fns, _: orig["switch"](index, fns, *operands, **kwargs))
 
     def while_loop(cond_fun, body_fun, init_val):
-        return _to_fixed_point(lambda axes: orig["while_loop"](
+        return _to_fixed_point(lambda _: (body_fun,), lambda _, axes: orig["while_loop"](
             cond_fun, body_fun, init_val if axes is None else _cast_tree(init_val, axes)))
 
     def scan(f, init, *args, **kwargs):
-        return _to_fixed_point(lambda axes: orig["scan"](
+        return _to_fixed_point(lambda _: (f,), lambda _, axes: orig["scan"](
             f, init if axes is None else _cast_tree(init, axes), *args, **kwargs))
 
     for name, fn in (("cond", cond), ("switch", switch), ("while_loop", while_loop),
@@ -1060,11 +1066,7 @@ def _cumulative_scan(kind: str, axis: int, reverse: bool) -> Any:
 def _align_varying(*xs: Any) -> list:
     """``xs`` cast to the union of their varying manual axes (values unchanged)."""
     axes = frozenset().union(*(varying_axes(jax.typeof(x)) for x in xs))
-    out = []
-    for x in xs:
-        extra = axes - varying_axes(jax.typeof(x))
-        out.append(jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x)
-    return out
+    return [to_varying(x, axes) for x in xs]
 
 
 class CumulativeDerivativeTwice(NotImplementedError):

@@ -331,3 +331,24 @@ def test_branches_that_differ_in_shape_are_still_jaxs_error():
         return lax.cond(x.sum() > 0, lambda v: v, lambda v: v[:2], w)
     with pytest.raises(TypeError, match="cond branch"):
         rt.replicate(step, num_replicas=2)(np.ones(4, np.float32), rt.PerReplica([np.ones(2)] * 2))
+
+
+def test_a_cond_reached_through_jaxs_own_function_keeps_jaxs_error():
+    """Inside a loop body that our wrapper of ``while_loop`` traces, a ``cond`` called
+    through a reference to JAX's own function (taken before our first trace) is not
+    ours to retrace: JAX's error about its branches, not the loop's carries misread."""
+    rt.replicate(lambda x: x, num_replicas=2)(np.ones(2, np.float32))  # hooks installed
+    jax_cond = jax.lax.cond.__wrapped__ if getattr(jax.lax.cond, "_replicate_hlo", False) \
+        else jax.lax.cond
+    assert not getattr(jax_cond, "_replicate_hlo", False)
+
+    def step(w, x):
+        def body(c):
+            a, b, i = c
+            y = jax_cond(i > 5, lambda: jnp.float32(0.0), lambda: x.sum())
+            return a + y, b, i + 1
+        return lax.while_loop(lambda c: c[2] < 3, body, (w.sum(), w.mean(), 0))
+
+    with pytest.raises(TypeError, match="cond branches must have equal output types"):
+        rt.replicate(step, num_replicas=2)(np.ones(3, np.float32),
+                                           rt.PerReplica([np.ones(2, np.float32)] * 2))
