@@ -687,15 +687,16 @@ def _install_varying_promotion() -> None:
     orig = {"cond": conditionals.cond, "switch": conditionals.switch,
             "while_loop": loops.while_loop, "scan": loops.scan}
 
-    def branches(fns, axes):
+    def cast_all(fns, axes):
         return fns if axes is None else [_cast_branch(f, axes) for f in fns]
 
+    # (the parameter names are JAX's: callers may pass any of them by keyword)
     def cond(pred, true_fun, false_fun, *operands, **kwargs):
-        return _to_fixed_point(lambda axes: branches((true_fun, false_fun), axes),
+        return _to_fixed_point(lambda axes: cast_all((true_fun, false_fun), axes),
                                lambda fns, _: orig["cond"](pred, *fns, *operands, **kwargs))
 
-    def switch(index, fns, *operands, **kwargs):
-        return _to_fixed_point(lambda axes: branches(list(fns), axes),
+    def switch(index, branches, *operands, **kwargs):
+        return _to_fixed_point(lambda axes: cast_all(list(branches), axes),
                                lambda fns, _: orig["switch"](index, fns, *operands, **kwargs))
 
     def while_loop(cond_fun, body_fun, init_val):

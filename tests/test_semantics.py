@@ -271,8 +271,9 @@ def _cond_mixed(w, x, k):
     return lax.cond(k > 0, lambda v: v.sum() * 0.0 + 1.0, lambda v: (v * x).sum(), w)
 
 
-def _switch_mixed(w, x, k):
-    return lax.switch(k, [lambda v: v.sum(), lambda v: (v * x).mean(), lambda v: v.max()], w)
+def _switch_mixed(w, x, k):  # (JAX's keyword names reach JAX through our wrapper)
+    return lax.switch(k, branches=[lambda v: v.sum(), lambda v: (v * x).mean(),
+                                   lambda v: v.max()], operand=w)
 
 
 def _while_cascade(w, x, k):
