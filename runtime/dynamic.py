@@ -49,7 +49,7 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -609,14 +609,13 @@ class DynamicPath:
         # the real sizes, one (N,) int32 vector per symbol: the program's first inputs
         flat = [puts[i](np.asarray([s[sym] for s in sizes], np.int32))
                 for i, sym in enumerate(plan.syms)]
+        if plan.copies_wait:
+            _start_host_copies(leaves, plan.pads)
         for x, pad in zip(leaves, plan.pads):
             if pad is None:
                 flat.append(x)
                 continue
-            td, leaf_pads = pad
-            per = x.values if td == LEAF_TREEDEF else [td.flatten_up_to(v) for v in x.values]
-            for j, (shape, dtype, to) in enumerate(leaf_pads):
-                arrs = per if td == LEAF_TREEDEF else [p[j] for p in per]
+            for shape, dtype, arrs in _replica_leaves(x, pad):
                 put = puts[len(flat)]
                 if all(type(a) is np.ndarray for a in arrs):
                     flat.append(put(_pad_host(arrs, shape, dtype, n)))
@@ -656,14 +655,18 @@ class _Plan:
     """How to run a call in one bucket: its compiled program, the dynamic symbols (the
     program's first inputs, one ``(N,)`` int32 vector of the real sizes each), the buckets,
     per argument leaf ``None`` (mirrored) or ``(inner treedef, ((padded shape, dtype,
-    {axis: bucket}), ...))``, and per program input the :class:`~ir._jax_compat.HostPut`
-    that sends its host array (the size vectors, the padded host buffers)."""
+    {axis: bucket}), ...))``, per program input the :class:`~ir._jax_compat.HostPut`
+    that sends its host array (the size vectors, the padded host buffers), and whether
+    reading a device array on the host waits for a copy (any platform but CPU)."""
 
-    __slots__ = ("prog", "syms", "buckets", "pads", "puts")
+    __slots__ = ("prog", "syms", "buckets", "pads", "puts", "copies_wait")
 
     def __init__(self, prog: Any, syms: tuple, buckets: dict, pads: tuple, n: int) -> None:
         self.prog, self.syms, self.buckets, self.pads = prog, syms, buckets, pads
         shardings = list(prog.jax_compiled.input_shardings[0])
+        # reading a device array on the host waits for a copy (not on CPU: a view)
+        self.copies_wait = any(_host_read_waits(d) for sh in shardings if sh is not None
+                               for d in sh.device_set)
         shapes = [(n,)] * len(syms)
         dtypes = [np.dtype(np.int32)] * len(syms)
         for pad in pads:
@@ -676,6 +679,39 @@ class _Plan:
                 dtypes.append(dtype)
         self.puts = tuple(None if shape is None else jc.HostPut(sh, shape, dtype)
                           for sh, shape, dtype in zip(shardings, shapes, dtypes))
+
+
+def _host_read_waits(device: Any) -> bool:
+    """Does reading an array of ``device`` on the host wait for a copy? Not on CPU,
+    where it is a view of the buffer (and an early copy would only cost time)."""
+    return device.platform != "cpu"
+
+
+def _start_host_copies(leaves: list, pads: tuple) -> None:
+    """Start the device-to-host copy of every device array that :meth:`DynamicPath.run`
+    pads on the host (one not already of its bucket's shape), all before the first is
+    read: on a GPU each copy waits for the device (~0.2 ms), so reading them one after
+    another would pay that once per replica and leaf."""
+    for x, pad in zip(leaves, pads):
+        if pad is not None:
+            for shape, _, arrs in _replica_leaves(x, pad):
+                if any(isinstance(a, jax.Array) and a.shape != shape for a in arrs):
+                    for a in arrs:
+                        if isinstance(a, jax.Array):
+                            a.copy_to_host_async()
+
+
+def _replica_leaves(x: PerReplica, pad: tuple) -> Iterator[tuple]:
+    """``(padded shape, dtype, [each replica's array])`` per leaf of a per-replica
+    argument ``x`` whose plan entry is ``pad`` (``(inner treedef, leaf pads)``)."""
+    td, leaf_pads = pad
+    if td == LEAF_TREEDEF:
+        shape, dtype, _ = leaf_pads[0]
+        yield shape, dtype, x.values
+        return
+    per = [td.flatten_up_to(v) for v in x.values]
+    for j, (shape, dtype, _) in enumerate(leaf_pads):
+        yield shape, dtype, [p[j] for p in per]
 
 
 def _is_array(x: Any) -> bool:
@@ -703,9 +739,14 @@ def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tu
     of each replica's value sliced back to its real sizes."""
     def values() -> list:
         vals = rep.layout.split(out, rank).values if varying else [out] * len(sizes)
-        return [_sliced(x, tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
-                                 for a in range(rank)), rep.layout.replica_devices[r])
-                for i, (x, r) in enumerate(zip(vals, rep.layout.local_replicas))]
+        index = [tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
+                       for a in range(rank)) for i in range(len(vals))]
+        if vals and _host_read_waits(next(iter(vals[0].devices()))):
+            for x, ix in zip(vals, index):  # every copy under way before the first is read
+                if not _whole(x, ix):
+                    x.copy_to_host_async()
+        return [_sliced(x, ix, rep.layout.replica_devices[r])
+                for x, ix, r in zip(vals, index, rep.layout.local_replicas)]
     return PerReplica.deferred(len(sizes), values, (out,))
 
 
@@ -713,13 +754,18 @@ def _sliced(x: jax.Array, index: tuple, device: Any) -> jax.Array:
     """``x[index]`` (a bucket-sized value cut to its real size) without compiling a slice
     program per exact size: cut on the host, put back where ``x`` lives (on the
     replica's first device when its sharding cannot tile the real size)."""
-    if all(s.stop is None or s.stop == d for s, d in zip(index, x.shape)):
+    if _whole(x, index):
         return x
     part = np.asarray(x)[index]
     try:
         return jax.device_put(part, x.sharding)
     except ValueError:
         return jax.device_put(part, device)
+
+
+def _whole(x: jax.Array, index: tuple) -> bool:
+    """Does ``x[index]`` (slices from 0) keep all of ``x``?"""
+    return all(s.stop is None or s.stop == d for s, d in zip(index, x.shape))
 
 
 def _symbolic_size(e: Exception, name: str, syms: tuple) -> TypeError:

@@ -159,3 +159,35 @@ def test_matmul_precision_context_is_part_of_the_key():
         assert not np.allclose(results["tensorfloat32"], results["highest"], rtol=2e-5,
                                atol=1e-4)
     assert step.cache_info().misses == 3  # one program per precision, then hits
+
+
+# -- dynamic shapes with device-array inputs ----------------------------------------------
+@pytest.mark.parametrize("early_copies", [False, True], ids=["platform", "early-copies"])
+def test_device_array_inputs_of_new_sizes(monkeypatch, early_copies):
+    """A dynamic step fed arrays already on the device, a new exact size each call inside
+    one bucket: they are padded on the host (their copies all started before the first is
+    read, where reading waits for the device), and the per-row output is cut back to the
+    real size. Equal to ``jax.jit`` on the exact shapes, one compile for the bucket.
+    ``early-copies`` takes the copying path on CPU too (it is the GPU's)."""
+    import runtime.dynamic as dyn
+    if early_copies:
+        monkeypatch.setattr(dyn, "_host_read_waits", lambda device: True)
+    rng = np.random.default_rng(2)
+    w = jax.device_put(rng.standard_normal((8, 8)).astype(np.float32), ACCEL)
+
+    def f(w, x, y):
+        h = jnp.tanh(x @ w)  # one row per example: the output keeps the dynamic axis
+        return h, jnp.mean((h - y) ** 2)
+
+    step = rt.replicate(f, devices=[ACCEL], options=rt.RunOptions(dynamic_shapes=True))
+    with jax.default_matmul_precision("highest"):
+        for size in (16, 11, 13, 9, 16, 12):  # all in the bucket of 16
+            x, y = (jax.device_put(rng.standard_normal((size, 8)).astype(np.float32), ACCEL)
+                    for _ in range(2))
+            h, loss = step(w, rt.PerReplica([x]), rt.PerReplica([y]))
+            want_h, want_loss = jax.jit(f)(w, x, y)
+            (got_h,), (got_loss,) = h.values, loss.values
+            assert got_h.shape == (size, 8) and got_h.devices() == {ACCEL}
+            np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    assert step.cache_info().misses == 1
