@@ -276,14 +276,16 @@ class Replicated:
         if prog.hit is not None:
             self._hit = prog.hit
         elif all(lay is None for lay in prog.in_layout) or self._process_count == 1:
-            sigs = key[1]
-            prog.scalar_sigs = tuple((i, s) for i, s in enumerate(sigs) if s[0] == ())
-            prog.array_weak = tuple((i, s[2]) for i, s in enumerate(sigs)
-                                    if s[0] != () and s[0] != "per_replica")
-            prog.pr_fast = tuple((i, lay[0], tuple(len(x[0]) for x in s[2]),
-                                  tuple(bool(x[2]) for x in s[2]))
-                                 for i, (s, lay) in enumerate(zip(sigs, prog.in_layout))
-                                 if lay is not None)
+            if not prog.fast_ready:  # (the program's key: the same for every call)
+                sigs = key[1]
+                prog.scalar_sigs = tuple((i, s) for i, s in enumerate(sigs) if s[0] == ())
+                prog.array_weak = tuple((i, s[2]) for i, s in enumerate(sigs)
+                                        if s[0] != () and s[0] != "per_replica")
+                prog.pr_fast = tuple((i, lay[0], tuple(len(x[0]) for x in s[2]),
+                                      tuple(bool(x[2]) for x in s[2]), s[2])
+                                     for i, (s, lay) in enumerate(zip(sigs, prog.in_layout))
+                                     if lay is not None)
+                prog.fast_ready = True
             if prog.entry_tree is None:
                 self._fast[(treedef, statics, ctx)] = prog
         return prog.run(leaves)
@@ -297,12 +299,20 @@ class Replicated:
         lists, which it validates replica by replica)."""
         flat: list = []
         last = 0
-        for i, td, ranks, weaks in prog.pr_fast:
+        for i, td, ranks, weaks, sigs in prog.pr_fast:
             pr = leaves[i]
             if type(pr) is not PerReplica:  # an array where a PerReplica was: same treedef
                 return None
             g = pr._global
-            if g is None or g[0] != td or pr._n != self.num_replicas:
+            if g is None:
+                host = self._host_replicas(pr, td, sigs[0])
+                if host is None:
+                    return None
+                flat.extend(leaves[last:i])
+                flat.append(host)
+                last = i + 1
+                continue
+            if g[0] != td or pr._n != self.num_replicas:
                 return None
             vshape = pr._vshape
             for a, rank, weak in zip(g[1], ranks, weaks):
@@ -315,6 +325,21 @@ class Replicated:
             last = i + 1
         flat.extend(leaves[last:])
         return flat
+
+    def _host_replicas(self, pr: PerReplica, td: Any, sig: tuple) -> Any:
+        """The global input of a per-replica argument given as one host array per replica
+        (``PerReplica([x0, x1, ...])`` of NumPy arrays), when each is exactly the program's
+        per-replica signature ``sig`` (the check the slow path's key makes; NumPy arrays
+        are never weak); else ``None``."""
+        vals = pr._values
+        if td != LEAF_TREEDEF or vals is None or len(vals) != self.num_replicas or \
+                self._process_count != 1 or sig[2]:
+            return None
+        shape, dtype = sig[0], sig[1]
+        for v in vals:
+            if type(v) is not np.ndarray or v.shape != shape or v.dtype != dtype:
+                return None
+        return self.layout.host_global(vals, len(shape))
 
     @staticmethod
     def _fast_key_matches(prog: Program, leaves: list) -> bool:

@@ -284,6 +284,41 @@ def test_fast_path_falls_back_when_the_batch_differs(second):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w))
 
 
+def test_per_replica_host_arrays_take_the_fast_path(monkeypatch):
+    """``PerReplica([x0, x1, ...])`` of NumPy arrays with the cached program's per-replica
+    shape and dtype skips the key (each replica's array is checked against the program's
+    signature instead); anything else takes the slow path and its errors."""
+    def f(w, x):
+        return w * 2, jnp.tanh(x @ w).sum(0)
+    step = rt.replicate(f, num_replicas=2)
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(3, 3)).astype(np.float32)
+    rows = lambda k=4, dt=np.float32: [rng.normal(size=(k, 3)).astype(dt) for _ in range(2)]  # noqa: E731
+    step(w, rt.PerReplica(rows()))
+    keys = _count_keys(monkeypatch, step)
+    for _ in range(3):
+        xs = rows()
+        _, out = step(w, rt.PerReplica(xs))
+        kept = [x.copy() for x in xs]
+        for x in xs:  # the caller's arrays are theirs again once the call returns
+            x[:] = 1e3
+        for r in range(2):
+            np.testing.assert_allclose(np.asarray(out.values[r]), jax.jit(f)(w, kept[r])[1],
+                                       rtol=1e-6)
+    assert not keys and step.cache_info()[:2] == (3, 1)
+    with pytest.raises(ValueError, match=r"replica 1's leaf 0 has shape \(5, 3\) and dtype "
+                                         r"float32 but replica 0's has shape \(4, 3\)"):
+        step(w, rt.PerReplica([rows()[0], rows(5)[1]]))
+    # float64 host arrays (x64 off): the slow path's key, the same program, as on a first call
+    _, out = step(w, rt.PerReplica(rows(dt=np.float64)))
+    assert out.values[0].dtype == jnp.float32 and step.cache_info().misses == 1
+    # a device array among them: the slow path, the same program
+    xs = rows()
+    _, out = step(w, rt.PerReplica([xs[0], jnp.asarray(xs[1])]))
+    np.testing.assert_allclose(np.asarray(out.values[1]), jax.jit(f)(w, xs[1])[1], rtol=1e-6)
+    assert step.cache_info().misses == 1 and len(keys) == 3
+
+
 def test_fast_path_tells_scalars_from_one_element_vectors():
     """A global (n,) array holds n scalars or n vectors of one element: the same global
     shape, so the executable cannot tell; the fast path must."""
