@@ -60,6 +60,20 @@ def make_shard_map_step(layers: int, mesh: Mesh):
                                  out_specs=(P(), P("data")), check_vma=False))
 
 
+def print_row(L, ops, med, total, own, xla_t, rl, rc, paired) -> None:
+    """One row of the table (see the module docstring for the columns)."""
+    share = own / xla_t
+    flag = "" if L < 32 else ("  OK" if share <= SHARE_TARGET else "  OVER")
+    cold = paired["cold"]
+    cflag = "" if L < 32 else ("  OK" if cold <= COLD_TARGET else "  OVER")
+    print(f"{L:>6} {ops:>7} {med['trace'] * 1e3:>7.1f} {med['import'] * 1e3:>7.1f} "
+          f"{med['passes'] * 1e3:>7.1f} {med['second trace'] * 1e3:>8.1f} "
+          f"{med['StableHLO'] * 1e3:>7.1f} {total * 1e3:>7.1f} {total / ops * 1e6:>6.1f} "
+          f"{med['other'] * 1e3:>6.1f} {xla_t * 1e3:>8.1f} {share:>7.0%}{flag} | "
+          f"{rl * 1e3:>9.1f} {rc * 1e3:>8.1f} | {paired['lower']:>5.2f}x "
+          f"{paired['XLA']:>5.2f}x {paired['sm XLA']:>5.2f}x | {cold:>12.2f}x{cflag}")
+
+
 def main() -> None:
     ap = _common.parser(__doc__, reps=3)
     ap.add_argument("--layers", default="2,8,32,128", help="comma-separated layer counts")
@@ -68,6 +82,11 @@ def main() -> None:
     mesh = Mesh(np.asarray(jax.devices()[:n]), ("data",))
     d, r = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     rows = []
+    print(f"jax {jax.__version__}, {n} {jax.devices()[0].platform} devices; medians of {args.reps} cold builds; ms")
+    print(f"{'layers':>6} {'IR ops':>7} {'trace':>7} {'import':>7} {'passes':>7} {'retrace':>8} "
+          f"{'HLO':>7} {'total':>7} {'us/op':>6} {'other':>6} {'XLA':>8} {'own/XLA':>8} | "
+          f"{'jit lower':>9} {'jit XLA':>8} | {'lower':>6} {'XLA':>6} {'sm XLA':>6} | "
+          f"{'cold ours/jit':>13}")
     for L in [int(v) for v in args.layers.split(",")]:
         params = [(jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32))
                   for _ in range(L)]
@@ -134,22 +153,7 @@ def main() -> None:
             "sm XLA": statistics.median(c / jc for c, jc in zip(sm_comp, ref_comp))}
         rows.append((L, n_ops, med, total, own, statistics.median(xla),
                      statistics.median(ref_lower), statistics.median(ref_comp), paired))
-    print(f"jax {jax.__version__}, {n} {jax.devices()[0].platform} devices; medians of {args.reps} cold builds; ms")
-    print(f"{'layers':>6} {'IR ops':>7} {'trace':>7} {'import':>7} {'passes':>7} {'retrace':>8} "
-          f"{'HLO':>7} {'total':>7} {'us/op':>6} {'other':>6} {'XLA':>8} {'own/XLA':>8} | "
-          f"{'jit lower':>9} {'jit XLA':>8} | {'lower':>6} {'XLA':>6} {'sm XLA':>6} | "
-          f"{'cold ours/jit':>13}")
-    for L, ops, med, total, own, xla_t, rl, rc, paired in rows:
-        share = own / xla_t
-        flag = "" if L < 32 else ("  OK" if share <= SHARE_TARGET else "  OVER")
-        cold = paired["cold"]
-        cflag = "" if L < 32 else ("  OK" if cold <= COLD_TARGET else "  OVER")
-        print(f"{L:>6} {ops:>7} {med['trace'] * 1e3:>7.1f} {med['import'] * 1e3:>7.1f} "
-              f"{med['passes'] * 1e3:>7.1f} {med['second trace'] * 1e3:>8.1f} "
-              f"{med['StableHLO'] * 1e3:>7.1f} {total * 1e3:>7.1f} {total / ops * 1e6:>6.1f} "
-              f"{med['other'] * 1e3:>6.1f} {xla_t * 1e3:>8.1f} {share:>7.0%}{flag} | "
-              f"{rl * 1e3:>9.1f} {rc * 1e3:>8.1f} | {paired['lower']:>5.2f}x "
-              f"{paired['XLA']:>5.2f}x {paired['sm XLA']:>5.2f}x | {cold:>12.2f}x{cflag}")
+        print_row(*rows[-1])  # as it is measured: a run stopped later keeps its rows
     per_op = [total / ops for _, ops, _, total, *_ in rows if ops >= 1000] or \
         [total / ops for _, ops, _, total, *_ in rows]
     print(f"-- our time per IR op from 1,000 ops up: {min(per_op) * 1e6:.1f}..{max(per_op) * 1e6:.1f}"
