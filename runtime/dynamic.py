@@ -609,17 +609,22 @@ class DynamicPath:
         # the real sizes, one (N,) int32 vector per symbol: the program's first inputs
         flat = [puts[i](np.asarray([s[sym] for s in sizes], np.int32))
                 for i, sym in enumerate(plan.syms)]
+        # per argument leaf: None (mirrored), or per inner leaf (shape, dtype, arrays, how)
+        groups = [None if pad is None else
+                  [(shape, dtype, arrs, _placement(arrs, shape))
+                   for shape, dtype, arrs in _replica_leaves(x, pad)]
+                  for x, pad in zip(leaves, plan.pads)]
         if plan.copies_wait:
-            _start_host_copies(leaves, plan.pads)
-        for x, pad in zip(leaves, plan.pads):
-            if pad is None:
+            _start_host_copies(groups)
+        for x, group in zip(leaves, groups):
+            if group is None:
                 flat.append(x)
                 continue
-            for shape, dtype, arrs in _replica_leaves(x, pad):
+            for shape, dtype, arrs, how in group:
                 put = puts[len(flat)]
-                if all(type(a) is np.ndarray for a in arrs):
+                if how == "host":
                     flat.append(put(_pad_host(arrs, shape, dtype, n)))
-                elif all(isinstance(a, jax.Array) and a.shape == shape for a in arrs):
+                elif how == "device":
                     # device arrays already of the bucket's shape: nothing to pad
                     flat.extend(rep.layout.global_inputs(PerReplica(arrs),
                                                          (LEAF_TREEDEF, (len(shape),))))
@@ -687,18 +692,29 @@ def _host_read_waits(device: Any) -> bool:
     return device.platform != "cpu"
 
 
-def _start_host_copies(leaves: list, pads: tuple) -> None:
+def _placement(arrs: list, shape: tuple) -> str:
+    """How :meth:`DynamicPath.run` pads the replicas' arrays of one leaf to the bucket's
+    ``shape``: ``"host"`` (NumPy arrays), ``"device"`` (device arrays already of that
+    shape: nothing to pad) or ``"copy"`` (any other mix: read to the host and padded
+    there)."""
+    if all(type(a) is np.ndarray for a in arrs):
+        return "host"
+    if all(isinstance(a, jax.Array) and a.shape == shape for a in arrs):
+        return "device"
+    return "copy"
+
+
+def _start_host_copies(groups: list) -> None:
     """Start the device-to-host copy of every device array that :meth:`DynamicPath.run`
-    pads on the host (one not already of its bucket's shape), all before the first is
+    reads to pad on the host (``groups``: its per-leaf entries), all before the first is
     read: on a GPU each copy waits for the device (~0.2 ms), so reading them one after
     another would pay that once per replica and leaf."""
-    for x, pad in zip(leaves, pads):
-        if pad is not None:
-            for shape, _, arrs in _replica_leaves(x, pad):
-                if any(isinstance(a, jax.Array) and a.shape != shape for a in arrs):
-                    for a in arrs:
-                        if isinstance(a, jax.Array):
-                            a.copy_to_host_async()
+    for group in groups:
+        for _, _, arrs, how in group or ():
+            if how == "copy":
+                for a in arrs:
+                    if isinstance(a, jax.Array):
+                        a.copy_to_host_async()
 
 
 def _replica_leaves(x: PerReplica, pad: tuple) -> Iterator[tuple]:

@@ -295,8 +295,10 @@ class Replicated:
         is a global batch (``distribute``, ``distribute_iterator``, a step's result) with the
         inner structure, per-replica ranks and weak types the program was built for: such
         values are uniform across replicas by construction, and the executable checks the
-        global shapes and dtypes. ``None`` sends the call to the slow path (per-replica
-        lists, which it validates replica by replica)."""
+        global shapes and dtypes; or a list of host arrays, one per replica, each of the
+        program's per-replica shape and dtype (:meth:`_host_replicas`). ``None`` sends the
+        call to the slow path (any other per-replica list, which it validates replica by
+        replica)."""
         flat: list = []
         last = 0
         for i, td, ranks, weaks, sigs in prog.pr_fast:
@@ -304,24 +306,23 @@ class Replicated:
             if type(pr) is not PerReplica:  # an array where a PerReplica was: same treedef
                 return None
             g = pr._global
-            if g is None:
+            if g is None:  # one array per replica
                 host = self._host_replicas(pr, td, sigs[0])
                 if host is None:
                     return None
-                flat.extend(leaves[last:i])
-                flat.append(host)
-                last = i + 1
-                continue
-            if g[0] != td or pr._n != self.num_replicas:
-                return None
-            vshape = pr._vshape
-            for a, rank, weak in zip(g[1], ranks, weaks):
-                # a global (n,) holds n scalars or n one-element vectors: the rank decides
-                if (len(vshape) if vshape is not None else np.ndim(a)) != rank or \
-                        bool(getattr(a, "weak_type", False)) != weak:
+                inputs = [host]
+            else:
+                if g[0] != td or pr._n != self.num_replicas:
                     return None
+                vshape = pr._vshape
+                for a, rank, weak in zip(g[1], ranks, weaks):
+                    # a global (n,) holds n scalars or n one-element vectors: the rank decides
+                    if (len(vshape) if vshape is not None else np.ndim(a)) != rank or \
+                            bool(getattr(a, "weak_type", False)) != weak:
+                        return None
+                inputs = self.layout.global_inputs(pr, (td, ranks))
             flat.extend(leaves[last:i])
-            flat.extend(self.layout.global_inputs(pr, (td, ranks)))
+            flat.extend(inputs)
             last = i + 1
         flat.extend(leaves[last:])
         return flat
