@@ -172,6 +172,49 @@ def stage(prim: Any, args: Sequence[Any], params: dict[str, Any],
     return out if prim.multiple_results else [out]
 
 
+def as_traced(args: Sequence[Any], source_info: Any) -> list[Any] | None:
+    """``args`` as tracers of the jaxpr trace being built, NumPy arrays made its
+    constants as ``bind`` makes them (for :func:`call_and_record` and :func:`replay`); ``None``
+    unless the trace is a jaxpr trace and every argument a tracer of it or an array."""
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:
+        return None
+    out = list(args)
+    for i, a in enumerate(args):
+        if type(a) is np.ndarray:
+            out[i] = trace.new_const(_dtypes.canonicalize_value(a), source_info)
+        elif type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace:
+            return None
+    return out
+
+
+def call_and_record(fn: Any, args: Sequence[Any]) -> tuple[list[Any], Any]:
+    """``fn(*args)`` on tracers of the current jaxpr trace (:func:`as_traced`), and what
+    it staged when that was one equation that reads exactly ``args`` and whose results
+    are exactly the outputs (a nested ``jax.jit`` call): the equation's primitive,
+    parameters, effects and result types, for :func:`replay` on other arguments of the
+    same types. Otherwise (JAX inlined or forwarded something) ``None``."""
+    outs = list(fn(*args))
+    eqn = getattr(outs[0], "parent", None) if outs else None
+    if (eqn is None or eqn.effects or len(eqn.outvars) != len(outs)
+            or len(eqn.in_tracers) != len(args)
+            or any(a is not b for a, b in zip(eqn.in_tracers, args))
+            or any(type(o) is not _pe.DynamicJaxprTracer or o.parent is not eqn
+                   or o.val is not v for o, v in zip(outs, eqn.outvars))):
+        return outs, None
+    return outs, (eqn.primitive, eqn.params, [v.aval for v in eqn.outvars])
+
+
+def replay(recorded: Any, args: Sequence[Any], source_info: Any) -> list[Any]:
+    """Stage the equation :func:`call_and_record` recorded into the current jaxpr trace
+    on ``args`` (tracers of it, of the types it was recorded on) with the given source
+    info: what calling the function again stages, without its dispatch, trace-cache
+    look-up and abstract evaluation."""
+    prim, params, out_avals = recorded
+    return _core.trace_ctx.trace.emit_eqn(list(args), out_avals, prim, params,
+                                          _core.no_effects, source_info)
+
+
 #: JAX's staging rules that only call ``default_process_primitive`` with the parameters
 #: they are given (kept from the dynamic shapes JAX no longer has)
 _TRIVIAL_STAGING_RULES = {("broadcast_in_dim", "_broadcast_in_dim_staging_rule"),

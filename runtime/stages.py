@@ -72,8 +72,10 @@ class Lowered:
         jaxpr's import into the IR (``"import"``), when known."""
         return dict(getattr(self._program, "import_split", {}))
 
-    def as_text(self) -> str:
-        return self._program.jax_lowered.as_text()
+    def as_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
+        """The lowered module as text, as ``jax.stages.Lowered.as_text`` gives it
+        (``dialect``: ``"stablehlo"`` or ``"hlo"``; ``debug_info``: with locations)."""
+        return self._program.jax_lowered.as_text(dialect, debug_info=debug_info)
 
     def compile(self) -> Compiled:
         return Compiled(self._program.compile())

@@ -45,6 +45,44 @@ def test_repeated_jit_lowers_to_one_function_each_as_jax_jit_does():
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_repeated_calls_are_replayed_into_the_same_module(monkeypatch):
+    """In the second trace, the first call of a shared region (per argument types) goes
+    through its nested ``jax.jit`` and the others replay what it staged
+    (``_Stager.shared_call``): the StableHLO module, locations included, is the one the
+    nested ``jax.jit`` gives at every call, and the results are ``jax.jit``'s."""
+    import compiler.lower as lower
+
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
+    recorded, calls = [], []
+    real_record, real_replay = lower.jc.call_and_record, lower.jc.replay
+
+    def counting_record(fn, args):
+        recorded.append(fn)
+        return real_record(fn, args)
+
+    def counting_replay(rec, args, info):
+        calls.append(rec)
+        return real_replay(rec, args, info)
+
+    with monkeypatch.context() as m:
+        m.setattr(lower.jc, "call_and_record", counting_record)
+        m.setattr(lower.jc, "replay", counting_replay)
+        rt.replicate(_layers, num_replicas=2).lower(rt.PerReplica(xs))
+    # _var (4 calls from one line) and the _where inside it (traced once, with _var)
+    assert len(recorded) == 2 and len(calls) == 3, (recorded, calls)
+    texts = []
+    for replay in (True, False):  # (one line, no wrapper of the test's: the locations name them)
+        if not replay:
+            monkeypatch.setattr(lower._Stager, "shared_call", lambda self, op, args: None)
+        texts.append(rt.replicate(_layers, num_replicas=2).lower(rt.PerReplica(xs)).as_text(debug_info=True))
+    assert texts[0] == texts[1]
+    out = rt.replicate(_layers, num_replicas=2)(rt.PerReplica(xs))
+    for r, x in enumerate(xs):
+        np.testing.assert_allclose(np.asarray(out.values[r]), np.asarray(jax.jit(_layers)(x)),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def _const_fn(c):
     return jax.jit(lambda x: x * c)  # one line for every c: equal locations
 
