@@ -310,6 +310,12 @@ def literal_value(atom: Any) -> np.ndarray:
     return np.asarray(atom.val)
 
 
+def varies_over(aval: Any, axis: str) -> bool:
+    """Does JAX type the value varying over the manual mesh axis ``axis``?"""
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat is not None and axis in mat.varying
+
+
 def varying_axes(aval: Any) -> frozenset:
     """The manual mesh axes a value varies over (``aval.manual_axis_type.varying``)."""
     mat = getattr(aval, "manual_axis_type", None)

@@ -23,6 +23,12 @@ REPLICA_AXIS = "replica"
 
 # JAX primitive -> (our op name, how to read its attributes)
 _ALL_REDUCE = {"psum": "sum", "psum_invariant": "sum", "pmax": "max", "pmin": "min"}
+#: the primitives that may import as one of our collective ops (by their axes)
+_COLLECTIVES = frozenset(_ALL_REDUCE) | {"pvary", "pcast", "axis_index"}
+#: parameter types kept as they are, with no look for jaxprs, shardings or axis names
+#: (``axes`` of a reduction are ints; a collective's axis names are strings or tuples,
+#: renamed below)
+_PLAIN_ATTRS = frozenset({int, bool, float, type(None)})
 
 
 _SYM_OPS = (("//", "_floordiv_"), ("*", "_times_"), ("+", "_plus_"), ("-", "_minus_"),
@@ -77,7 +83,8 @@ def _type(shape: tuple, dtype: Any, weak: bool, replica: Replica | None) -> Tens
 
 class _Importer:
     def __init__(self, fallback: Loc | None = None, axis: str = REPLICA_AXIS,
-                 regions: dict[tuple, tuple[Any, Graph]] | None = None) -> None:
+                 regions: dict[tuple, tuple[Any, Graph]] | None = None,
+                 shared: tuple[dict, dict, dict] | None = None) -> None:
         self.env: dict[Any, Value] = {}
         #: the replica axis's name in the traced program (renamed ``REPLICA_AXIS`` here)
         self.axis = axis
@@ -90,6 +97,11 @@ class _Importer:
         #: closed, and the fallback location (the only context an import depends on);
         #: each entry keeps its jaxpr alive, so the id is not reused
         self.regions = {} if regions is None else regions
+        #: shared by the whole import too: result types by aval (``typed``), name
+        #: stacks' text and locations (``loc``)
+        self.types: dict[int, tuple] = {} if shared is None else shared[0]
+        self.stacks: dict[int, tuple] = {} if shared is None else shared[1]
+        self.locs: dict[tuple, Loc] = {} if shared is None else shared[2]
 
     def read(self, atom: Any, ops: list[Op]) -> Value:
         if isinstance(atom, jc.Literal):
@@ -139,47 +151,83 @@ class _Importer:
         jaxpr, consts = jc.jaxpr_parts(param)
         if not closed and (consts or jaxpr.constvars):
             raise ImportError_("open jaxpr parameters with constvars are not supported")
-        region = _Importer(fallback, self.axis, self.regions).graph(jaxpr, consts, "region")
+        region = _Importer(fallback, self.axis, self.regions,
+                           (self.types, self.stacks, self.locs)).graph(jaxpr, consts, "region")
         self.regions[key] = (param, region)
         return region
 
     def eqn(self, eqn: Any, ops: list[Op]) -> None:
-        operands = tuple(self.read(a, ops) for a in eqn.invars)
-        results = []
+        env = self.env
+        try:
+            operands = tuple([env[a] for a in eqn.invars])
+        except (KeyError, TypeError):  # a literal (a constant op), or undefined (an error)
+            operands = tuple([self.read(a, ops) for a in eqn.invars])
+        results, traced = [], []
         for var in eqn.outvars:
-            v = Value(type_of_aval(var.aval))
+            t, varies = self.typed(var.aval)
+            v = Value(t)
             if not isinstance(var, jc.DropVar):
-                self.env[var] = v
+                env[var] = v
             results.append(v)
-        loc = None
-        where = jc.user_location(eqn)
-        stack = jc.name_stack(eqn)
-        if where is not None:
-            loc = Loc(where[0], where[1], stack)
-        elif self.fallback is not None:
-            loc = Loc(self.fallback.file, self.fallback.line, stack)
-        elif stack:
-            loc = Loc("<unknown>", 0, stack)
+            traced.append(varies)
+        loc = self.loc(eqn)
         regions: list[Graph] = []
-        attrs: list[tuple[str, Any]] = []
         name = eqn.primitive.name
+        attrs = []
         for k, v in jc.import_params(name, eqn.params):
+            tv = type(v)
+            if tv in _PLAIN_ATTRS or (tv is tuple and all([type(x) in _PLAIN_ATTRS for x in v])) \
+                    or isinstance(v, np.dtype):  # most parameters: ints, tuples of ints, dtypes
+                attrs.append((k, v))
+                continue
             if k in ("axes", "axis_name") and self.axis != REPLICA_AXIS:
                 v = self.rename(v)
             attrs.append((k, self.attr(v, regions, name, k, loc)))
-        axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-        axes_t = self.rename(tuple(axes) if isinstance(axes, (tuple, list)) else (axes,))
-        if name in _ALL_REDUCE and REPLICA_AXIS in axes_t and \
-                eqn.params.get("axis_index_groups") is None:
-            attrs = [("reduce", _ALL_REDUCE[name]), ("axes", axes_t)]
-            name = "all_reduce"
-        elif name in ("pvary", "pcast") and REPLICA_AXIS in axes_t:
-            name = "cast_varying"
-        elif name == "axis_index" and self.rename(eqn.params.get("axis_name")) == REPLICA_AXIS:
-            name, attrs = "replica_id", []
-        traced = tuple(self.axis in jc.varying_axes(var.aval) for var in eqn.outvars)
+        if name in _COLLECTIVES:
+            axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+            axes_t = self.rename(tuple(axes) if isinstance(axes, (tuple, list)) else (axes,))
+            if name in _ALL_REDUCE and REPLICA_AXIS in axes_t and \
+                    eqn.params.get("axis_index_groups") is None:
+                attrs = [("reduce", _ALL_REDUCE[name]), ("axes", axes_t)]
+                name = "all_reduce"
+            elif name in ("pvary", "pcast") and REPLICA_AXIS in axes_t:
+                name = "cast_varying"
+            elif name == "axis_index" and self.rename(eqn.params.get("axis_name")) == REPLICA_AXIS:
+                name, attrs = "replica_id", []
         ops.append(Op(name, operands, tuple(results), tuple(attrs), loc, tuple(regions),
-                      impl=eqn.primitive, traced_varying=traced))
+                      impl=eqn.primitive, traced_varying=tuple(traced)))
+
+    def typed(self, aval: Any) -> tuple[TensorType, bool]:
+        """The IR type of a result's abstract value, and whether JAX typed it varying over
+        the replica axis; by the aval's identity (JAX's abstract evaluation, cached,
+        gives equal results the same aval object; each entry keeps its aval alive)."""
+        hit = self.types.get(id(aval))
+        if hit is None:
+            hit = self.types[id(aval)] = (type_of_aval(aval), jc.varies_over(aval, self.axis),
+                                          aval)
+        return hit[0], hit[1]
+
+    def loc(self, eqn: Any) -> Loc | None:
+        """The user's line and JAX's name stack of ``eqn``: one :class:`Loc` object per
+        distinct location (the name stack's text made once per name stack object)."""
+        info = eqn.source_info
+        hit = self.stacks.get(id(info.name_stack))
+        if hit is None:
+            hit = self.stacks[id(info.name_stack)] = (str(info.name_stack), info.name_stack)
+        stack = hit[0]
+        where = jc.user_location(eqn)
+        if where is not None:
+            key = (where[0], where[1], stack)
+        elif self.fallback is not None:
+            key = (self.fallback.file, self.fallback.line, stack)
+        elif stack:
+            key = ("<unknown>", 0, stack)
+        else:
+            return None
+        loc = self.locs.get(key)
+        if loc is None:
+            loc = self.locs[key] = Loc(*key)
+        return loc
 
     def rename(self, v: Any) -> Any:
         """``v`` (an axis name, or a tuple of them) with the traced replica axis's name
