@@ -199,6 +199,43 @@ _GRAPH_FIELDS = tuple(f.name for f in dataclasses.fields(Graph))
 _set = object.__setattr__
 
 
+# -- constructors: every pass builds a new op for every op it retypes ---------------------
+# The ``__init__`` a frozen dataclass generates sets each field through
+# ``object.__setattr__``, ~1 us for an op's eight: a third of the cost of the passes
+# that retype a whole graph. These set the slots through their descriptors directly
+# (~0.55 us), with the same parameters and defaults (``tests/test_ir_text.py`` checks
+# them against the dataclass fields); the instances stay frozen, compare and hash as
+# before.
+def _value_init() -> Callable[..., None]:
+    set_type = Value.__dict__["type"].__set__
+
+    def __init__(self, type: TensorType) -> None:  # noqa: A002  (the field's name)
+        set_type(self, type)
+    return __init__
+
+
+def _op_init() -> Callable[..., None]:
+    (s_name, s_operands, s_results, s_attrs, s_loc, s_regions, s_impl,
+     s_traced) = [Op.__dict__[f].__set__ for f in _OP_FIELDS]
+
+    def __init__(self, name: str, operands: tuple[Value, ...], results: tuple[Value, ...],
+                 attrs: Attrs = (), loc: Loc | None = None, regions: tuple[Graph, ...] = (),
+                 impl: Any = None, traced_varying: tuple[bool, ...] | None = None) -> None:
+        s_name(self, name)
+        s_operands(self, operands)
+        s_results(self, results)
+        s_attrs(self, attrs)
+        s_loc(self, loc)
+        s_regions(self, regions)
+        s_impl(self, impl)
+        s_traced(self, traced_varying)
+    return __init__
+
+
+Value.__init__ = _value_init()
+Op.__init__ = _op_init()
+
+
 def _replace(obj: Any, fields: tuple[str, ...], changes: Mapping[str, Any]) -> Any:
     """``dataclasses.replace`` for ``Op`` and ``Graph`` (frozen, no ``__post_init__``) at a
     third of its cost: passes copy every op, and ``dataclasses.replace`` was their largest

@@ -436,3 +436,35 @@ def test_mutated_text_fails_only_with_ir_errors():
             verify(parse("\n".join(lines)))
         except IRError:
             pass
+
+
+@pytest.mark.parametrize("cls", [Op, Value])
+def test_fast_constructors_take_the_dataclass_fields(cls):
+    """``ir/graph.py`` replaces the ``__init__`` of ``Op`` and ``Value`` by one that sets
+    the slots directly (passes build an op for every op they retype): it must take the
+    dataclass's fields in order with their defaults, set every one, and leave the
+    instances frozen, equal and hashing as dataclass instances do."""
+    import dataclasses
+    import inspect
+
+    fields = dataclasses.fields(cls)
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields):
+        want = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert p.default == want, (f.name, p.default, want)
+    x = Value(T((2,)))
+    args = {"type": T((2,))} if cls is Value else dict(
+        name="add", operands=(x, x), results=(Value(T((2,))),), attrs=(("k", 1),),
+        loc=Loc("m.py", 3, "jvp"), regions=(), impl=object(), traced_varying=(True,))
+    obj = cls(**args)
+    assert {f.name: getattr(obj, f.name) for f in fields} == args
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(obj, fields[0].name, None)
+    if cls is Op:
+        same = Op(**{**args, "impl": None, "traced_varying": None})  # not compared
+        assert same == obj and hash(same) == hash(obj)
+        assert Op(**{**args, "attrs": ()}) != obj
+        short = Op("neg", (x,), (x,))
+        assert (short.attrs, short.loc, short.regions, short.impl, short.traced_varying) == \
+            ((), None, (), None, None)
