@@ -88,15 +88,8 @@ def gc_paused():
     """No automatic garbage collection while a program is built. Tracing, the passes and
     lowering create many objects that all stay alive; CPython's collector would scan the
     whole process (JAX, flax, ...) for garbage there is none of, often a full collection
-    of ~70 ms in the first step of a process. Nested and concurrent builds keep it paused
-    until the last one ends.
-
-    At the end, the objects the build made are handed to the oldest generation
-    (:func:`_age_young_objects`) rather than scanned at once by the collection the build
-    left pending: that scan of every object the build made, a program kept alive in the
-    cache, was 7 ms of a 32-layer step's 220 ms ``lower()``. Garbage with cycles among them
-    is freed by the next full collection (``tests/test_cache.py`` checks that a build
-    leaves none)."""
+    of ~70 ms in the first step of a process. The pending collection runs later as usual.
+    Nested and concurrent builds keep it paused until the last one ends."""
     global _gc_depth, _gc_was_enabled
     with _gc_lock:
         if _gc_depth == 0:
@@ -109,18 +102,7 @@ def gc_paused():
         with _gc_lock:
             _gc_depth -= 1
             if _gc_depth == 0 and _gc_was_enabled:
-                _age_young_objects()
                 gc.enable()
-
-
-def _age_young_objects() -> None:
-    """Move every object the collector tracks to its oldest generation, unscanned, and
-    reset the count that triggers the next young collection (``gc.freeze`` then
-    ``gc.unfreeze``: two list splices). Not when someone froze objects on purpose (a
-    server before it forks): unfreezing would undo that."""
-    if gc.get_freeze_count() == 0:
-        gc.freeze()
-        gc.unfreeze()
 
 
 # -- where values live ------------------------------------------------------------------
