@@ -423,10 +423,19 @@ class _Stager:
         return outs
 
     def stage(self, op: Op, args: list[Any]) -> list[Any] | None:
+        """An op without regions (``eval_graph`` calls this for no other): its attributes
+        hold no region reference (the verifier's rule), so of ``_param``'s cases only an
+        opaque attribute needs its object back."""
         prim = op.impl
         if prim is None:
             return None
-        params = {k: _param(v, op) for k, v in op.attrs if k not in NOTE_ATTRS}
+        params = {}
+        for k, v in op.attrs:
+            if type(v) is Opaque:
+                v = _param(v, op)
+            elif k in NOTE_ATTRS:
+                continue
+            params[k] = v
         return jc.stage(prim, args, params, self.source_info(op))
 
 

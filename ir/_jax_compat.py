@@ -158,17 +158,20 @@ def stage(prim: Any, args: Sequence[Any], params: dict[str, Any],
         default = _DEFAULT_STAGING[prim] = _stages_by_default(prim)
     if not default or type(trace) is not _pe.DynamicJaxprTrace:
         return None
-    traced = False
+    traced = arrays = False
     for a in args:
         if type(a) is _pe.DynamicJaxprTracer and a._trace is trace:
             traced = True
-        elif type(a) is not np.ndarray:
+        elif type(a) is np.ndarray:
+            arrays = True
+        else:
             return None
     if not traced:
         return None
-    tracers = [a if type(a) is not np.ndarray
-               else trace.new_const(_dtypes.canonicalize_value(a), source_info) for a in args]
-    out = trace.default_process_primitive(prim, tracers, params, source_info)
+    tracers = args if not arrays else [
+        a if type(a) is not np.ndarray
+        else trace.new_const(_dtypes.canonicalize_value(a), source_info) for a in args]
+    out = trace.default_process_primitive(prim, list(tracers), params, source_info)
     return out if prim.multiple_results else [out]
 
 
