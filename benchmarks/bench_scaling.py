@@ -71,7 +71,8 @@ def print_row(L, ops, med, total, own, xla_t, rl, rc, paired) -> None:
           f"{med['StableHLO'] * 1e3:>7.1f} {total * 1e3:>7.1f} {total / ops * 1e6:>6.1f} "
           f"{med['other'] * 1e3:>6.1f} {xla_t * 1e3:>8.1f} {share:>7.0%}{flag} | "
           f"{rl * 1e3:>9.1f} {rc * 1e3:>8.1f} | {paired['lower']:>5.2f}x "
-          f"{paired['XLA']:>5.2f}x {paired['sm XLA']:>5.2f}x | {cold:>12.2f}x{cflag}")
+          f"{paired['XLA']:>5.2f}x {paired['sm XLA']:>5.2f}x | {cold:>12.2f}x{cflag}"
+          f"  (reps {paired['cold lo']:.2f}..{paired['cold hi']:.2f})")
 
 
 def main() -> None:
@@ -145,9 +146,9 @@ def main() -> None:
         med["other"] = max(0.0, statistics.median(walls) - total)
         # the ratios are medians of each rep's own ratio (ours and jit's side by side in
         # one rep): a slow stretch of the machine then slows both sides of a ratio
+        colds = [(w + c) / (jw + jc) for w, c, jw, jc in zip(walls, xla, ref_lower, ref_comp)]
         paired = {
-            "cold": statistics.median((w + c) / (jw + jc) for w, c, jw, jc
-                                      in zip(walls, xla, ref_lower, ref_comp)),
+            "cold": statistics.median(colds), "cold lo": min(colds), "cold hi": max(colds),
             "lower": statistics.median(w / jw for w, jw in zip(walls, ref_lower)),
             "XLA": statistics.median(c / jc for c, jc in zip(xla, ref_comp)),
             "sm XLA": statistics.median(c / jc for c, jc in zip(sm_comp, ref_comp))}
@@ -160,7 +161,8 @@ def main() -> None:
           f" us (max/min {max(per_op) / min(per_op):.2f}: flat means linear); own = import + "
           f"passes + second trace, target <= {SHARE_TARGET:.0%} of XLA at 32 layers and above; "
           f"other = verifier, cache key, layout; cold = (our lower() + XLA) / (jit lower + "
-          f"XLA), target <= {COLD_TARGET} at 32 layers and above; lower, XLA = its two "
+          f"XLA), target <= {COLD_TARGET} at 32 layers and above (reps: the lowest and highest "
+          f"rep's ratio, the spread this machine's noise gives the median); lower, XLA = its two "
           f"parts, ours over jit's (ratios: medians of each rep's ratio); sm XLA = XLA's "
           f"compile of the step written by hand per replica (shard_map + pmean, the form "
           f"replicate gives XLA) over jit's")
