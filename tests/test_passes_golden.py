@@ -217,3 +217,33 @@ def test_hoist_scan_leaves_an_all_reduce_over_more_axes_in_the_loop():
     inside = [op.attr("axes") for op, g in out.walk() if op.name == "all_reduce" and g is not out]
     assert inside == [("replica", "b")]
     assert not [op for op in out.ops if op.name == "all_reduce"]
+
+
+def test_hoist_returns_a_graph_without_nested_collectives_unchanged():
+    """With no collective in any region (at any depth; a region shared by many ops looked
+    at once), ``hoist-collectives`` has nothing to hoist and nothing to refuse: it returns
+    the very graph (a 32-layer MLP step spent 3 ms rewriting it op by op into an equal
+    one). A collective moved into a nested region is still found and hoisted."""
+    from compiler.passes.hoist_collectives import HoistCollectivesPass, nested_collectives
+
+    def layers(w, x):
+        def loss(w):
+            h = x
+            for _ in range(3):  # jnp.var's jit, one shared region
+                h = jnp.tanh((h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-5) @ w)
+            return jnp.mean(h ** 2)
+        return jax.grad(loss)(w)
+
+    specs = [LeafSpec((4, 4), jnp.float32, False, False), LeafSpec((2, 4), jnp.float32, False, True)]
+    graph, _ = trace_replica_fn(lambda w, x: [layers(w, x)], specs, 2)
+    before = PassManager(parse_pipeline("replication,cross-replica-sum", num_replicas=2),
+                         verify=True, dump_dir="").run(graph)
+    assert any(op.regions for op in before.ops) and any(op.name == "all_reduce" for op in before.ops)
+    assert not nested_collectives(before)
+    assert HoistCollectivesPass().apply(before) is before
+
+    graph = parse((GOLDEN / "hoist_cond.in.txt").read_text())  # (its golden output: above)
+    assert nested_collectives(graph)
+    out = PassManager(parse_pipeline("hoist-collectives", num_replicas=4), verify=True,
+                      dump_dir="").run(graph)
+    assert not nested_collectives(out) and any(op.name == "all_reduce" for op in out.ops)

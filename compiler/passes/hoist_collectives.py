@@ -101,11 +101,28 @@ def _where(op: Op) -> str:
     return f" ({op.loc})" if op.loc is not None else ""
 
 
+def nested_collectives(graph: Graph, memo: dict[int, tuple] | None = None) -> bool:
+    """Does any region of ``graph`` (at any depth) hold a collective? Without one, no
+    collective runs inside control flow: nothing to hoist, nothing divergent. A region
+    several ops share is looked at once (``memo``, by identity; entries keep it alive)."""
+    memo = {} if memo is None else memo
+    for op in graph.ops:
+        for region in op.regions:
+            hit = memo.get(id(region))
+            if hit is None:
+                hit = memo[id(region)] = (region, any(is_collective(o) for o in region.ops)
+                                          or nested_collectives(region, memo))
+            if hit[1]:
+                return True
+    return False
+
+
 def divergent_collectives(graph: Graph) -> list[tuple[Op, Op]]:
     """Every (collective, enclosing control-flow op) where the collective runs inside
     control flow whose predicate or trip count differs between replicas."""
     found: list[tuple[Op, Op]] = []
-    _find_divergent(graph, None, found)
+    if nested_collectives(graph):  # (else none: a step without one is looked at once)
+        _find_divergent(graph, None, found)
     return found
 
 
@@ -361,6 +378,8 @@ class HoistCollectivesPass:
     _why: list = field(default_factory=list, compare=False, repr=False)
 
     def apply(self, graph: Graph) -> Graph:
+        if not nested_collectives(graph):
+            return graph  # no collective inside control flow: the graph is as it must be
         in_reps = [v.type.replica or Replica.VARYING for v in graph.inputs]
         self._why.clear()
         new, changed = self._rewrite(graph, False, RegionMemo())
