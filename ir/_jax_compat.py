@@ -168,27 +168,30 @@ def stage(prim: Any, args: Sequence[Any], params: dict[str, Any],
             return None
     if not traced:
         return None
-    tracers = args if not arrays else [
-        a if type(a) is not np.ndarray
-        else trace.new_const(_dtypes.canonicalize_value(a), source_info) for a in args]
-    out = trace.default_process_primitive(prim, list(tracers), params, source_info)
+    tracers = _with_constants(trace, args, source_info) if arrays else list(args)
+    out = trace.default_process_primitive(prim, tracers, params, source_info)
     return out if prim.multiple_results else [out]
+
+
+def _with_constants(trace: Any, args: Sequence[Any], source_info: Any) -> list[Any]:
+    """``args`` with each NumPy array made a constant of ``trace``, as ``bind`` makes it."""
+    return [a if type(a) is not np.ndarray
+            else trace.new_const(_dtypes.canonicalize_value(a), source_info) for a in args]
 
 
 def as_traced(args: Sequence[Any], source_info: Any) -> list[Any] | None:
     """``args`` as tracers of the jaxpr trace being built, NumPy arrays made its
-    constants as ``bind`` makes them (for :func:`call_and_record` and :func:`replay`); ``None``
-    unless the trace is a jaxpr trace and every argument a tracer of it or an array."""
+    constants as ``bind`` makes them (for :func:`call_and_record` and :func:`replay`);
+    ``None`` (and no constant made) unless the trace is a jaxpr trace and every argument
+    a tracer of it or an array."""
     trace = _core.trace_ctx.trace
     if type(trace) is not _pe.DynamicJaxprTrace:
         return None
-    out = list(args)
-    for i, a in enumerate(args):
-        if type(a) is np.ndarray:
-            out[i] = trace.new_const(_dtypes.canonicalize_value(a), source_info)
-        elif type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace:
+    for a in args:
+        if type(a) is not np.ndarray and (type(a) is not _pe.DynamicJaxprTracer
+                                          or a._trace is not trace):
             return None
-    return out
+    return _with_constants(trace, args, source_info)
 
 
 def call_and_record(fn: Any, args: Sequence[Any]) -> tuple[list[Any], Any]:
@@ -302,10 +305,6 @@ def user_location_of_exception(exc: BaseException) -> tuple[str, int] | None:
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if _siu.is_user_filename(f.filename)]
     return (frames[-1].filename, frames[-1].lineno) if frames else None
-
-
-def name_stack(eqn: Any) -> str:
-    return str(eqn.source_info.name_stack)
 
 
 def literal_value(atom: Any) -> np.ndarray:
