@@ -406,14 +406,24 @@ def _live_primitives() -> Iterator[Primitive]:
     return (obj for obj in gc.get_objects() if isinstance(obj, Primitive))
 
 
+_NOT_LIVE: set[str] = set()
+
+
 def primitive_by_name(name: str) -> Primitive | None:
     """Find a JAX primitive by name (for graphs parsed from text, and the verifier's
     check that an op is known). JAX's lowering registry first; a name not there (a
     primitive without a lowering rule) is looked for among all live objects, which a
-    first compile used to pay for in every process."""
+    first compile used to pay for in every process. A name that walk did not find is
+    not walked for again (a misspelt op in a hand-edited dump cost a walk of every object
+    per look-up, ~0.1 s in a long-running process); the lowering registry, where a
+    primitive defined later registers its rule, is still read each time."""
     for source in (_lowered_primitives, _live_primitives):
         if name in _PRIMITIVES:
             break
+        if source is _live_primitives:
+            if name in _NOT_LIVE:
+                break
+            _NOT_LIVE.add(name)
         for prim in source():
             _PRIMITIVES.setdefault(prim.name, prim)
     return _PRIMITIVES.get(name)

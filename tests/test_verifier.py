@@ -377,6 +377,26 @@ def test_primitive_by_name_finds_lowered_and_unlowered_primitives(name):
     assert jc.primitive_by_name("no_such_primitive") is None
 
 
+def test_a_missing_primitive_walks_live_objects_once(monkeypatch):
+    """A name nothing defines (a misspelt op in a hand-edited dump) walks every live object
+    once, not on each look-up (in a long-running process that walk took ~0.1 s); a primitive
+    made later with a lowering rule is still found."""
+    from jax._src.interpreters import mlir
+    from jax.extend.core import Primitive
+
+    from ir import _jax_compat as jc
+    walks = []
+    real = jc._live_primitives
+    monkeypatch.setattr(jc, "_live_primitives", lambda: walks.append(1) or real())
+    for _ in range(3):
+        assert jc.primitive_by_name("rt_test_made_later") is None
+    assert len(walks) == 1
+    prim = Primitive("rt_test_made_later")
+    prim.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(prim, lambda ctx, x: [x])
+    assert jc.primitive_by_name("rt_test_made_later") is prim
+
+
 # -- verify="end": one verification on success, the same error as "each" on failure ---------
 @dataclass(frozen=True)
 class _Count:
