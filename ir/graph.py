@@ -254,12 +254,18 @@ class RegionMemo:
     rewritten in (the input variances, an enclosing transpose...): a region that several
     ops share is rewritten once per context, and the new ops share the result. The
     context must hold everything the rewrite reads besides the region itself. Entries
-    keep their region alive, so its id is not reused while the memo lives (one pass)."""
+    keep their region alive, so its id is not reused while the memo lives (one pass).
 
-    __slots__ = ("_done",)
+    ``types`` is the pass's own cache of retyped types, ``(id(old type), context) ->
+    (old type, new type)``: a graph has a few hundred types for thousands of values, and
+    a pass that retypes every value makes each new type once (the entry keeps the old
+    type alive, so its id is not reused either)."""
+
+    __slots__ = ("_done", "types")
 
     def __init__(self) -> None:
         self._done: dict[tuple, tuple[Graph, Any]] = {}
+        self.types: dict[tuple, tuple[TensorType, TensorType]] = {}
 
     def get(self, region: Graph, context: Any, make: Callable[[], Any]) -> Any:
         """``make()``'s result for ``region`` in ``context``, computed once."""

@@ -127,11 +127,10 @@ class CrossReplicaSumPass:
         """``graph`` (a region: inside a transposed op when ``enclosing``) rewritten; a
         region several ops share is rewritten once per ``enclosing``."""
         rw = Rewriter(graph)
-        users = graph.users()
-        producers = graph.producers()
+        uses: list = []  # (users, producers) of the graph, made for the first warning check
         for op in graph.ops:
-            is_t = transposed(op, enclosing)
-            if op.name == "loss_scale":
+            name = op.name
+            if name == "loss_scale":
                 power = self._power(op) if self.num_replicas > 1 else 0
                 (x,), (r,) = op.operands, op.results
                 if power == 0:
@@ -140,16 +139,19 @@ class CrossReplicaSumPass:
                     for new in _scale_ops(rw.get(x), r, power, self.num_replicas, op.loc):
                         rw.add(new)
                 continue
+            if not op.regions and name != "all_reduce":
+                rw.emit(op)  # (most ops: nothing to mark, nothing inside)
+                continue
+            is_t = transposed(op, enclosing)
             if op.regions:
                 op = op.replace(regions=tuple(
                     memo.get(g, is_t, lambda g=g: self._rewrite(g, is_t, memo))
                     for g in op.regions))
-            if op.name == "all_reduce" and op.attr("reduce") == "sum":
+            if name == "all_reduce" and op.attr("reduce") == "sum":
                 if is_t:
                     op = op.with_attrs(gradient=True)
                 elif (all(v.type.replica is Replica.MIRRORED for v in op.operands)
-                      and not all(_is_pmean(r, users.get(r, []), producers, self.num_replicas)
-                                  for r in op.results)):
+                      and not self._all_pmean(op, graph, uses)):
                     where = f" ({op.loc})" if op.loc else ""
                     warnings.warn(
                         f"all-reduce of a value that is already identical on every "
@@ -158,6 +160,16 @@ class CrossReplicaSumPass:
                         f"already all-reduced by replicate()", stacklevel=2)
             rw.emit(op)
         return rw.finish()
+
+    def _all_pmean(self, op: Op, graph: Graph, uses: list) -> bool:
+        """Is each result of the all-reduce ``op`` read only by divisions by N (a
+        ``pmean``)? ``uses`` caches the graph's users and producers (built on first need:
+        most graphs never ask)."""
+        if not uses:
+            uses.extend((graph.users(), graph.producers()))
+        users, producers = uses
+        return all(_is_pmean(r, users.get(r, []), producers, self.num_replicas)
+                   for r in op.results)
 
     def _bucket(self, graph: Graph) -> Graph:
         """Merge independent gradient all-reduces (same reduce kind) into variadic ones.

@@ -814,26 +814,33 @@ class ShardingPass:
 
 
 def _all_replicated(graph: Graph, memo: RegionMemo | None = None) -> Graph:
-    """``graph`` with every value typed replicated (K = 1); a shared region once."""
+    """``graph`` with every value typed replicated (K = 1); a shared region once, each
+    type once (``memo.types``)."""
     memo = RegionMemo() if memo is None else memo
+    types = memo.types
     new: dict[Value, Value] = {}
 
     def retype(v: Value) -> Value:
-        nv = Value(v.type.with_sharding(REPLICATED))
-        new[v] = nv
+        t = v.type
+        hit = types.get(id(t))
+        if hit is None:
+            hit = types[id(t)] = (t, t.with_sharding(REPLICATED))
+        nv = new[v] = Value(hit[1])
         return nv
 
-    inputs = tuple(retype(v) for v in graph.inputs)
+    inputs = tuple([retype(v) for v in graph.inputs])
     ops = []
     for op in graph.ops:
+        regions = op.regions
+        if regions:
+            regions = tuple([memo.get(g, None, lambda g=g: _all_replicated(g, memo))
+                             for g in regions])
         new_op = op.with_values(tuple([new[v] for v in op.operands]),
-                                tuple([retype(r) for r in op.results]),
-                                tuple([memo.get(g, None, lambda g=g: _all_replicated(g, memo))
-                                       for g in op.regions]))
-        if any(a == CONFLICT_ATTR for a, _ in op.attrs):
+                                tuple([retype(r) for r in op.results]), regions)
+        if op.attrs and any(a == CONFLICT_ATTR for a, _ in op.attrs):
             new_op = new_op.replace(attrs=tuple((a, b) for a, b in op.attrs if a != CONFLICT_ATTR))
         ops.append(new_op)
-    return Graph(inputs, tuple(ops), tuple(new[v] for v in graph.outputs), graph.name)
+    return Graph(inputs, tuple(ops), tuple([new[v] for v in graph.outputs]), graph.name)
 
 
 def sharding_conflicts(graph: Graph) -> list[str]:
