@@ -17,6 +17,7 @@ import contextlib
 import functools
 import contextvars
 import os
+import sys
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -406,24 +407,24 @@ def _live_primitives() -> Iterator[Primitive]:
     return (obj for obj in gc.get_objects() if isinstance(obj, Primitive))
 
 
-_NOT_LIVE: set[str] = set()
+_LIVE_WALK = [-1]  # len(sys.modules) at the last walk of all live objects
 
 
 def primitive_by_name(name: str) -> Primitive | None:
     """Find a JAX primitive by name (for graphs parsed from text, and the verifier's
-    check that an op is known). JAX's lowering registry first; a name not there (a
-    primitive without a lowering rule) is looked for among all live objects, which a
-    first compile used to pay for in every process. A name that walk did not find is
-    not walked for again (a misspelt op in a hand-edited dump cost a walk of every object
-    per look-up, ~0.1 s in a long-running process); the lowering registry, where a
-    primitive defined later registers its rule, is still read each time."""
+    check that an op is known). JAX's lowering registry first (read on each miss: a
+    primitive defined later registers its rule there); a name not there (a primitive
+    without a lowering rule) is looked for among all live objects, which a first
+    compile used to pay for in every process. That walk (~40 ms in a process holding a
+    few models) is made again only after more modules were imported, where primitives
+    are defined: a hand-edited dump full of misspelt op names walked once per name."""
     for source in (_lowered_primitives, _live_primitives):
         if name in _PRIMITIVES:
             break
         if source is _live_primitives:
-            if name in _NOT_LIVE:
+            if _LIVE_WALK[0] == len(sys.modules):
                 break
-            _NOT_LIVE.add(name)
+            _LIVE_WALK[0] = len(sys.modules)
         for prim in source():
             _PRIMITIVES.setdefault(prim.name, prim)
     return _PRIMITIVES.get(name)
