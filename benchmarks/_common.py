@@ -11,6 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -24,17 +25,27 @@ def parser(doc: str, reps: int) -> argparse.ArgumentParser:
 
 def interleaved(fns: dict[str, Callable[[], float | None]], reps: int) -> dict[str, list[float]]:
     """Run every ``fn`` once per repetition, alternating which goes first, so drift (CPU
-    frequency, other load) hits all of them alike. A ``fn`` returns the seconds it measured
-    itself, or ``None`` to be timed from outside."""
+    frequency, other load) hits all of them alike, each after :func:`settle`. A ``fn``
+    returns the seconds it measured itself, or ``None`` to be timed from outside."""
     names = list(fns)
     out: dict[str, list[float]] = {n: [] for n in names}
     for i in range(reps):
         order = names if i % 2 == 0 else names[::-1]
         for n in order:
+            settle()
             t0 = time.perf_counter()
             dt = fns[n]()
             out[n].append(time.perf_counter() - t0 if dt is None else dt)
     return out
+
+
+def settle() -> None:
+    """Collect the garbage earlier samples left, before the next one is timed. Without it
+    one side pays the other's collections: ``replicate`` pauses the collector while it
+    builds a program, and the objects it made (every stage's IR, kept by the ``Lowered``)
+    were collected inside the ``jax.jit`` sample that followed; at 32 layers that made
+    jit's lowering ~20 ms slower and our cold ratio look ~0.05 better than it is."""
+    gc.collect()
 
 
 def blocked(f: Callable[[], object]) -> Callable[[], float]:

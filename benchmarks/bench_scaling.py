@@ -96,7 +96,10 @@ def main() -> None:
         stages: dict[str, list[float]] = {}
         xla, ref_lower, ref_comp, sm_comp, walls, n_ops = [], [], [], [], [], 0
 
-        def ours():
+        def ours() -> int:
+            """Our lower + compile; the stages' times noted; the IR op count returned.
+            The ``Lowered`` (every stage's IR) is freed and collected before the other
+            side runs (``_common.settle``), so neither side pays for the other's garbage."""
             step = rt.replicate(make_step(L), num_replicas=n)
             t0 = time.perf_counter()
             lowered = step.lower(params, rt.PerReplica([x] * n), rt.PerReplica([x] * n))
@@ -104,25 +107,6 @@ def main() -> None:
             t0 = time.perf_counter()
             lowered.compile()
             xla.append(time.perf_counter() - t0)
-            return lowered
-
-        def jit():
-            jitted = jax.jit(make_step(L), in_shardings=(r, d, d), out_shardings=(r, r))
-            t0 = time.perf_counter()
-            jl = jitted.lower(params, xg, xg)
-            t1 = time.perf_counter()
-            jl.compile()
-            ref_lower.append(t1 - t0)
-            ref_comp.append(time.perf_counter() - t1)
-            return jl
-
-        for rep in range(args.reps):
-            # which goes first alternates: neither side always runs right after a compile
-            # of the other's (or its own) program
-            if rep % 2 == 0:
-                lowered, jl = ours(), jit()
-            else:
-                jl, lowered = jit(), ours()
             times = lowered.pass_times()
             split = lowered.import_times()
             times.pop("import")
@@ -132,14 +116,29 @@ def main() -> None:
             ours_t["passes"] = sum(times.values())
             for k, v in ours_t.items():
                 stages.setdefault(k, []).append(v)
-            n_ops = sum(1 for _ in lowered.ir().walk())
+            return sum(1 for _ in lowered.ir().walk())
+
+        def jit() -> None:
+            jitted = jax.jit(make_step(L), in_shardings=(r, d, d), out_shardings=(r, r))
+            t0 = time.perf_counter()
+            jl = jitted.lower(params, xg, xg)
+            t1 = time.perf_counter()
+            jl.compile()
+            ref_lower.append(t1 - t0)
+            ref_comp.append(time.perf_counter() - t1)
+
+        def sm() -> None:
             sl = make_shard_map_step(L, mesh).lower(params, xg, xg)
             t0 = time.perf_counter()
             sl.compile()
             sm_comp.append(time.perf_counter() - t0)
-            # freed here, not inside the next rep's timed lower() (the assignment of its
-            # result freed this one's: every stage's IR, ~17 ms at 128 layers)
-            lowered = jl = sl = None
+
+        for rep in range(args.reps):
+            # which goes first alternates: neither side always runs right after a compile
+            # of the other's (or its own) program; each starts with the garbage collected
+            for side in ((ours, jit) if rep % 2 == 0 else (jit, ours)) + (sm,):
+                _common.settle()
+                n_ops = side() or n_ops
         med = {k: statistics.median(v) for k, v in stages.items()}
         total = sum(med.values())
         own = med["import"] + med["passes"] + med["second trace"]
