@@ -254,7 +254,15 @@ def _shared(op: Op, args: list[Any]) -> tuple[RegionKey, Callable] | None:
     fn = sharing.fns.get(key)
     if fn is None:
         region = op.regions[0]
-        fn = sharing.fns[key] = jax.jit(lambda *xs: tuple(eval_graph(region, list(xs))))
+
+        def call(*xs):
+            return tuple(eval_graph(region, list(xs)))
+        # named as the function the step called (``_var``): the StableHLO function, HLO
+        # computation and ``op_name`` metadata then say what it is, as ``jax.jit``'s do
+        name = op.attr("name")
+        if isinstance(name, str) and name.isidentifier():
+            call.__name__ = call.__qualname__ = name
+        fn = sharing.fns[key] = jax.jit(call)
     return key, fn
 
 

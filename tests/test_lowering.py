@@ -30,6 +30,10 @@ def _layers(x):
     return x.sum()
 
 
+def _func_names(text):
+    return re.findall(r"func\.func (?:private |public )?@(\S+?)\(", text)
+
+
 def test_repeated_jit_lowers_to_one_function_each_as_jax_jit_does():
     rng = np.random.default_rng(0)
     xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
@@ -39,6 +43,8 @@ def test_repeated_jit_lowers_to_one_function_each_as_jax_jit_does():
     assert _funcs(ref) > 1  # the check below means something only if jit shares functions
     assert _funcs(ours) == _funcs(ref)
     assert ours.count("call @") == ref.count("call @") >= 4
+    # named as jit names them (the function the step called), not "<lambda>"
+    assert _func_names(ours) == _func_names(ref) == ["main", "_var", "_where"], _func_names(ours)
     out = step(rt.PerReplica(xs))
     for r, x in enumerate(xs):
         np.testing.assert_allclose(np.asarray(out.values[r]), np.asarray(jax.jit(_layers)(x)),
