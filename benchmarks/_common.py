@@ -44,7 +44,7 @@ def settle() -> None:
     one side pays the other's collections: ``replicate`` pauses the collector while it
     builds a program, and the objects it made (every stage's IR, kept by the ``Lowered``)
     were collected inside the ``jax.jit`` sample that followed; at 32 layers that made
-    jit's lowering ~20 ms slower and our cold ratio look ~0.05 better than it is."""
+    jit's lowering ~20 ms slower and our cold ratio look ~0.04 better than it is."""
     gc.collect()
 
 

@@ -256,16 +256,16 @@ class RegionMemo:
     context must hold everything the rewrite reads besides the region itself. Entries
     keep their region alive, so its id is not reused while the memo lives (one pass).
 
-    ``types`` is the pass's own cache of retyped types, ``(id(old type), context) ->
-    (old type, new type)``: a graph has a few hundred types for thousands of values, and
-    a pass that retypes every value makes each new type once (the entry keeps the old
-    type alive, so its id is not reused either)."""
+    ``types`` is the pass's own cache of retyped types, ``id(old type) -> (old type, new
+    type)``, for a pass that gives each type one new type (``sharding`` at K = 1): a graph
+    has a few hundred types for thousands of values, and such a pass then makes each new
+    type once (the entry keeps the old type alive, so its id is not reused either)."""
 
     __slots__ = ("_done", "types")
 
     def __init__(self) -> None:
         self._done: dict[tuple, tuple[Graph, Any]] = {}
-        self.types: dict[tuple, tuple[TensorType, TensorType]] = {}
+        self.types: dict[int, tuple[TensorType, TensorType]] = {}
 
     def get(self, region: Graph, context: Any, make: Callable[[], Any]) -> Any:
         """``make()``'s result for ``region`` in ``context``, computed once."""
