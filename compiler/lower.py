@@ -381,15 +381,19 @@ def _scope(op: Op) -> str | None:
 
 class _Stager:
     """Stages the ops of the graph ``build_jitted`` is lowering that re-bind their JAX
-    primitive (no lowering rule, no region) straight into its trace (``jc.stage``), with
-    the source info ``jax.named_scope(scope_name(op))`` would give them made once per
-    scope: the second trace stages every op of the step, and entering a name scope and
-    taking a traceback for each was a fifth of its cost."""
+    primitive (no lowering rule, no region) straight into its trace: one ``JaxprEqn``
+    each, appended to the trace's frame with JAX's abstract evaluation (``jc.emit``; its
+    results stay ``Var`` objects until a rule or JAX needs a tracer: ``jc.traced``), else
+    as ``prim.bind`` would (``jc.stage``); with the source info
+    ``jax.named_scope(scope_name(op))`` would give them made once per scope: the second
+    trace stages every op of the step, and entering a name scope and taking a traceback
+    for each was a fifth of its cost, a tracer per result half of what was left."""
 
     def __init__(self) -> None:
         self.infos: dict[tuple, tuple] = {}
         self.traceback: Any = None
         self.recorded: dict[tuple, Any] = {}  # calls to replay (``shared_call``), by key
+        self.keep: list[Any] = []  # the constants' tracers (``jc.emit``)
 
     def source_info(self, op: Op) -> Any:
         ctx = jc.source_info_context()
@@ -406,34 +410,34 @@ class _Stager:
             hit = self.infos[key] = (jc.source_info(traceback, stack), ctx)
         return hit[0]
 
-    def shared_call(self, op: Op, args: list[Any]) -> list[Any] | None:
+    def shared_call(self, op: Op, args: list[Any], ctx: Any) -> list[Any] | None:
         """A ``jit`` op calling a shared region (:func:`_call`): the first call per region
         key and argument types goes through its nested ``jax.jit``, and what that staged
-        is replayed for the others (``jc.call_and_record``, ``jc.replay``), skipping
-        ``jax.jit``'s dispatch and trace-cache look-up (~35 us of ~50 per call; a
-        32-layer step makes 64). ``None``: lower it by its rule."""
+        is appended again for the others (``jc.call_and_record``, ``jc.emit_recorded``),
+        skipping ``jax.jit``'s dispatch and trace-cache look-up (~35 us of ~50 per call;
+        a 32-layer step makes 64). ``None``: lower it by its rule."""
         shared = _shared(op, args)
         if shared is None:
             return None
         info = self.source_info(op)
-        traced = jc.as_traced(args, info)
-        if traced is None:
+        atoms = jc.atoms(args, info, self.keep)
+        if atoms is None:
             return None
-        key = (shared[0], tuple([t.aval for t in traced]))
+        key = (shared[0], tuple([a.aval for a in atoms]))
         recorded = self.recorded.get(key)
         if recorded is not None:
-            return jc.replay(recorded, traced, info)
+            return jc.emit_recorded(recorded, atoms, info, ctx)
         scope = _scope(op)
         with contextlib.nullcontext() if scope is None else jax.named_scope(scope):
-            outs, recorded = jc.call_and_record(shared[1], traced)
+            outs, recorded = jc.call_and_record(shared[1], jc.atom_tracers(atoms, info))
         if recorded is not None:
             self.recorded[key] = recorded
         return outs
 
-    def stage(self, op: Op, args: list[Any]) -> list[Any] | None:
+    def stage(self, op: Op, args: list[Any], ctx: Any) -> list[Any] | None:
         """An op without regions (``eval_graph`` calls this for no other): its attributes
         hold no region reference (the verifier's rule), so of ``_param``'s cases only an
-        opaque attribute needs its object back."""
+        opaque attribute needs its object back. ``ctx``: JAX's equation context."""
         prim = op.impl
         if prim is None:
             return None
@@ -444,7 +448,11 @@ class _Stager:
             elif k in NOTE_ATTRS:
                 continue
             params[k] = v
-        return jc.stage(prim, args, params, self.source_info(op))
+        info = self.source_info(op)
+        out = jc.emit(prim, args, params, info, ctx, self.keep)
+        if out is None:
+            out = jc.stage(prim, jc.traced(args, info), params, info)
+        return out
 
 
 #: the stager of the graph ``build_jitted`` is lowering (``None`` outside it)
@@ -455,28 +463,34 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
     """Evaluate ``graph`` on JAX values (inside a trace); returns the outputs."""
     env = dict(zip(graph.inputs, args))
     stager = _STAGER.get()
+    # (the same for every op here: nothing enters a context between them)
+    ctx = jc.eqn_context() if stager is not None else None
     for op in graph.ops:
         try:
             outs = None
             if stager is not None:
                 if not op.regions and op.name not in LOWERING_RULES:
-                    outs = stager.stage(op, [env[v] for v in op.operands])
+                    outs = stager.stage(op, [env[v] for v in op.operands], ctx)
                 elif op.name in _SHARABLE:
-                    outs = stager.shared_call(op, [env[v] for v in op.operands])
+                    outs = stager.shared_call(op, [env[v] for v in op.operands], ctx)
             if outs is None:
                 fn = LOWERING_RULES.get(op.name, _bind)
                 scope = _scope(op)
+                vals = [env[v] for v in op.operands]
+                if stager is not None:  # (``Var`` objects the stager emitted: tracers)
+                    vals = jc.traced(vals, stager.source_info(op))
                 if scope is None:
-                    outs = fn(op, [env[v] for v in op.operands])
+                    outs = fn(op, vals)
                 else:
                     with jax.named_scope(scope):
-                        outs = fn(op, [env[v] for v in op.operands])
+                        outs = fn(op, vals)
         except LoweringError:
             raise
         except Exception as e:  # attach the op and the user's line to JAX's error
             raise LoweringError(f"lowering {op.name} ({op.loc}) failed: {type(e).__name__}: {e}") from e
         env.update(zip(op.results, outs))
-    return [env[v] for v in graph.outputs]
+    outs = [env[v] for v in graph.outputs]
+    return outs if stager is None else jc.traced(outs, jc.current_source_info())
 
 
 def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks: Sequence[int],
@@ -499,10 +513,15 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
 
     platform = mesh.devices.flat[0].platform if hasattr(mesh, "devices") else ""
 
+    last_stager: list[_Stager] = []
+
     def body(*xs):
         args = [x.reshape(()) if v and r == 0 else x for x, v, r in zip(xs, in_varying, in_ranks)]
         token, shared = _PLATFORM.set(platform), _SHARED.set(_Sharing(graph))
-        stager = _STAGER.set(_Stager())
+        # kept past the trace's end (``shard_map`` makes the jaxpr after ``body``
+        # returns), with the tracers of the constants its equations read
+        last_stager[:] = [_Stager()]
+        stager = _STAGER.set(last_stager[0])
         try:
             outs = eval_graph(graph, args)
         finally:

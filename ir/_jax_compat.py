@@ -212,14 +212,143 @@ def call_and_record(fn: Any, args: Sequence[Any]) -> tuple[list[Any], Any]:
     return outs, (eqn.primitive, eqn.params, [v.aval for v in eqn.outvars])
 
 
-def replay(recorded: Any, args: Sequence[Any], source_info: Any) -> list[Any]:
-    """Stage the equation :func:`call_and_record` recorded into the current jaxpr trace
-    on ``args`` (tracers of it, of the types it was recorded on) with the given source
-    info: what calling the function again stages, without its dispatch, trace-cache
-    look-up and abstract evaluation."""
+# -- equations emitted straight into the trace's frame ------------------------------------
+# ``default_process_primitive`` makes a tracer for every result and a ``TracingEqn`` that
+# ``to_jaxpr`` turns into a ``JaxprEqn`` later. The second trace of a step stages every op
+# of it, so for the ops that staging would end in the plain case of (no forwarding, no
+# constant folding, no references), the ``JaxprEqn`` is made here from JAX's own abstract
+# evaluation and appended to the frame (as JAX's ``lower_jaxpr`` does): its results are
+# ``Var`` objects, made tracers only where something else needs them (:func:`traced`).
+_DIRECT: dict[Any, bool] = {}  # by primitive: ``_emits_directly``
+_NOT_CACHED = frozenset({"custom_lin", "call_hi_primitive_linearized", "call_hi_primitive"})
+_Var = _core.Var
+
+
+def _emits_directly(prim: Any) -> bool:
+    """Would ``default_process_primitive`` stage ``prim`` as one equation of its abstract
+    evaluation's results (no forwarding rule, no reference allocation)?"""
+    return (_stages_by_default(prim) and prim not in _pe.forwarding_rules
+            and not getattr(prim, "ref_allocating", False) and prim.name not in _NOT_CACHED)
+
+
+def _direct_trace() -> Any:
+    """The jaxpr trace equations may be appended to, or ``None``: one that drops the
+    equations whose results die (``auto_dce``: the AD traces) holds them by their
+    tracers, which direct equations do not have."""
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace or trace.frame.auto_dce:
+        return None
+    return trace
+
+
+def _special_aval(aval: Any) -> bool:
+    return aval.is_high or getattr(aval, "has_qdd", False)
+
+
+def _atoms(trace: Any, args: Sequence[Any], source_info: Any, keep: list[Any],
+           const_fold: bool = False) -> list[Any] | None:
+    """``args`` as atoms of ``trace``'s frame: a ``Var`` (one this module emitted into
+    it) as it is, a tracer of it as its ``Var``, a NumPy array as the constant ``bind``
+    makes of it (its tracer appended to ``keep``: the frame finds a constant again by
+    its live tracer, so an array used twice is one constant). ``None`` (and no constant
+    made) when an argument is anything else, none is traced, an array meets
+    ``const_fold`` (JAX would fold the equation), or a traced one is of a mutable or
+    high-level type."""
+    traced = arrays = False
+    for a in args:
+        t = type(a)
+        if t is _Var or (t is _pe.DynamicJaxprTracer and a._trace is trace):
+            if _special_aval(a.aval):  # (JAX stages those its own way)
+                return None
+            traced = True
+        elif t is np.ndarray:
+            arrays = True
+        else:
+            return None
+    if not traced or (arrays and const_fold):
+        return None
+    out = []
+    for a in args:
+        t = type(a)
+        if t is np.ndarray:
+            a = trace.new_const(_dtypes.canonicalize_value(a), source_info)
+            keep.append(a)
+            t = _pe.DynamicJaxprTracer
+        out.append(a.val if t is _pe.DynamicJaxprTracer else a)
+    return out
+
+
+def _append(trace: Any, atoms_: list[Any], out_avals: Sequence[Any], prim: Any,
+            params: dict[str, Any], effs: Any, source_info: Any, ctx: Any) -> list[Any]:
+    outvars = [_Var(a) for a in out_avals]
+    if effs:
+        effs = _core.resolve_input_effects(effs, atoms_)
+    trace.frame.tracing_eqns.append(
+        _core.JaxprEqn(atoms_, outvars, prim, params, effs, source_info, ctx))
+    return outvars
+
+
+def emit(prim: Any, args: Sequence[Any], params: dict[str, Any], source_info: Any,
+         ctx: Any, keep: list[Any]) -> list[Any] | None:
+    """Stage ``prim`` on ``args`` (``Var`` objects emitted here, tracers of the current
+    jaxpr trace, NumPy arrays; at least one not an array) as one ``JaxprEqn`` appended to
+    the trace's frame, with JAX's cached abstract evaluation, the given source info and
+    equation context (:func:`eqn_context`): what ``default_process_primitive`` stages,
+    without a tracer per result. ``keep``: a list the caller keeps until the trace ends
+    (:func:`_atoms`). Returns the results' ``Var`` objects, or ``None`` (nothing
+    staged) where JAX would forward, fold or stage it another way."""
+    ok = _DIRECT.get(prim)
+    if ok is None:
+        ok = _DIRECT[prim] = _emits_directly(prim)
+    trace = _direct_trace() if ok else None
+    if trace is None:
+        return None
+    atoms_ = _atoms(trace, args, source_info, keep, prim in _pe.const_fold_rules)
+    if atoms_ is None:
+        return None
+    out_avals, effs = _pe._cached_abstract_eval(prim, *[v.aval for v in atoms_], **params)
+    if not prim.multiple_results:
+        out_avals = (out_avals,)
+    return _append(trace, atoms_, out_avals, prim, params, effs, source_info, ctx)
+
+
+def atoms(args: Sequence[Any], source_info: Any, keep: list[Any]) -> list[Any] | None:
+    """``args`` as atoms of the current jaxpr trace's frame (:func:`_atoms`), or ``None``."""
+    trace = _direct_trace()
+    return None if trace is None else _atoms(trace, args, source_info, keep)
+
+
+def atom_tracers(atoms_: Sequence[Any], source_info: Any) -> list[Any]:
+    """Tracers of the current trace for atoms of its frame (:func:`atoms`)."""
+    trace = _core.trace_ctx.trace
+    return [trace.var_to_tracer(a, source_info) for a in atoms_]
+
+
+def emit_recorded(recorded: Any, atoms_: Sequence[Any], source_info: Any,
+                  ctx: Any) -> list[Any]:
+    """The equation :func:`call_and_record` recorded, on atoms of the current trace's
+    frame (of the types it was recorded on), appended to the frame (:func:`emit`):
+    what calling the function again stages, without its dispatch, trace-cache look-up,
+    abstract evaluation and tracers. Returns the results' ``Var`` objects."""
     prim, params, out_avals = recorded
-    return _core.trace_ctx.trace.emit_eqn(list(args), out_avals, prim, params,
-                                          _core.no_effects, source_info)
+    return _append(_core.trace_ctx.trace, list(atoms_), out_avals, prim, params,
+                   _core.no_effects, source_info, ctx)
+
+
+def eqn_context() -> Any:
+    """The equation context JAX gives an equation staged now (compute type, mesh, ...):
+    the same for every op of a graph evaluated without entering a context between them."""
+    return _core.current_jaxpr_eqn_context()
+
+
+def traced(values: Sequence[Any], source_info: Any) -> list[Any]:
+    """``values`` with each ``Var`` emitted by :func:`emit` made a tracer of the current
+    trace (what JAX's functions and rules take)."""
+    out = list(values)
+    for i, v in enumerate(out):
+        if type(v) is _Var:
+            out[i] = _core.trace_ctx.trace.var_to_tracer(v, source_info)
+    return out
 
 
 #: JAX's staging rules that only call ``default_process_primitive`` with the parameters

@@ -61,26 +61,26 @@ def test_repeated_calls_are_replayed_into_the_same_module(monkeypatch):
     rng = np.random.default_rng(1)
     xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
     recorded, calls = [], []
-    real_record, real_replay = lower.jc.call_and_record, lower.jc.replay
+    real_record, real_replay = lower.jc.call_and_record, lower.jc.emit_recorded
 
     def counting_record(fn, args):
         recorded.append(fn)
         return real_record(fn, args)
 
-    def counting_replay(rec, args, info):
+    def counting_replay(rec, args, info, ctx):
         calls.append(rec)
-        return real_replay(rec, args, info)
+        return real_replay(rec, args, info, ctx)
 
     with monkeypatch.context() as m:
         m.setattr(lower.jc, "call_and_record", counting_record)
-        m.setattr(lower.jc, "replay", counting_replay)
+        m.setattr(lower.jc, "emit_recorded", counting_replay)
         rt.replicate(_layers, num_replicas=2).lower(rt.PerReplica(xs))
     # _var (4 calls from one line) and the _where inside it (traced once, with _var)
     assert len(recorded) == 2 and len(calls) == 3, (recorded, calls)
     texts = []
     for replay in (True, False):  # (one line, no wrapper of the test's: the locations name them)
         if not replay:
-            monkeypatch.setattr(lower._Stager, "shared_call", lambda self, op, args: None)
+            monkeypatch.setattr(lower._Stager, "shared_call", lambda self, op, args, ctx: None)
         texts.append(rt.replicate(_layers, num_replicas=2).lower(rt.PerReplica(xs)).as_text(debug_info=True))
     assert texts[0] == texts[1]
     out = rt.replicate(_layers, num_replicas=2)(rt.PerReplica(xs))
@@ -271,31 +271,36 @@ def _stage_step(w, x):
 
 def test_staged_second_trace_lowers_to_the_module_bind_gives_locations_included(monkeypatch):
     """The second trace stages the ops that re-bind their primitive straight into the
-    jaxpr, with source info made once per name scope. Oracle: the same step lowered
-    with every op bound through ``jax.named_scope`` + ``Primitive.bind`` gives the same
-    StableHLO, op names and the user's source locations included."""
+    jaxpr (an equation appended to the frame, ``jc.emit``, else ``jc.stage``), with
+    source info made once per name scope. Oracle: the same step lowered with every op
+    bound through ``jax.named_scope`` + ``Primitive.bind`` gives the same StableHLO, op
+    names and the user's source locations included."""
     from ir import _jax_compat as jc
     rng = np.random.default_rng(0)
     w = rng.normal(size=(5, 5)).astype(np.float32)
     xs = [rng.normal(size=(3, 5)).astype(np.float32) for _ in range(2)]
-    staged = []
-    real_stage = jc.stage
+    staged = {"emit": [], "stage": []}
+    real = {"emit": jc.emit, "stage": jc.stage}
 
-    def counting_stage(*a):
-        out = real_stage(*a)
-        staged.append(out is not None)
-        return out
+    def counting(name):
+        def wrapper(*a):
+            out = real[name](*a)
+            staged[name].append(out is not None)
+            return out
+        return wrapper
 
     def text() -> str:
         step = rt.replicate(_stage_step, num_replicas=2)
         return step.lower(w, rt.PerReplica(xs))._program.jax_lowered.as_text(debug_info=True)
 
     texts = []
-    for stage in (counting_stage, lambda *a: None):  # (None: every op Primitive.bind)
-        monkeypatch.setattr(jc, "stage", stage)
+    for way in (counting, lambda name: lambda *a: None):  # (None: every op Primitive.bind)
+        monkeypatch.setattr(jc, "emit", way("emit"))
+        monkeypatch.setattr(jc, "stage", way("stage"))
         texts.append(text())  # (one call site: the locations hold the caller's line)
     direct, bound = texts
-    assert sum(staged) > 50 and sum(staged) > 0.8 * len(staged), (sum(staged), len(staged))
+    emitted, tries = sum(staged["emit"]), len(staged["emit"])
+    assert emitted > 50 and emitted > 0.8 * tries, (emitted, tries)
     assert direct == bound
     # (what was compared: each op's scope, the user's line, under JAX's own name stack)
     assert 'loc("jit[test_lowering.py:24]/div[test_lowering.py:24]/div")' in direct
