@@ -393,7 +393,7 @@ class _Stager:
         self.infos: dict[tuple, tuple] = {}
         self.traceback: Any = None
         self.recorded: dict[tuple, Any] = {}  # calls to replay (``shared_call``), by key
-        self.keep: list[Any] = []  # the constants' tracers (``jc.emit``)
+        self.consts: dict[tuple, Any] = {}  # constants made, by value (``jc.emit``)
 
     def source_info(self, op: Op) -> Any:
         ctx = jc.source_info_context()
@@ -420,7 +420,7 @@ class _Stager:
         if shared is None:
             return None
         info = self.source_info(op)
-        atoms = jc.atoms(args, info, self.keep)
+        atoms = jc.atoms(args, info, self.consts)
         if atoms is None:
             return None
         key = (shared[0], tuple([a.aval for a in atoms]))
@@ -449,7 +449,7 @@ class _Stager:
                 continue
             params[k] = v
         info = self.source_info(op)
-        out = jc.emit(prim, args, params, info, ctx, self.keep)
+        out = jc.emit(prim, args, params, info, ctx, self.consts)
         if out is None:
             out = jc.stage(prim, jc.traced(args, info), params, info)
         return out
@@ -475,9 +475,12 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
                     outs = stager.shared_call(op, [env[v] for v in op.operands], ctx)
             if outs is None:
                 fn = LOWERING_RULES.get(op.name, _bind)
-                scope = _scope(op)
                 vals = [env[v] for v in op.operands]
-                if stager is not None:  # (``Var`` objects the stager emitted: tracers)
+                if fn is _cast_varying:  # (an identity: ``Var`` objects pass as they are)
+                    env.update(zip(op.results, vals))
+                    continue
+                scope = _scope(op)
+                if stager is not None and jc.has_vars(vals):  # (rules take tracers)
                     vals = jc.traced(vals, stager.source_info(op))
                 if scope is None:
                     outs = fn(op, vals)

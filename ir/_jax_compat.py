@@ -242,39 +242,48 @@ def _direct_trace() -> Any:
 
 
 def _special_aval(aval: Any) -> bool:
-    return aval.is_high or getattr(aval, "has_qdd", False)
+    """Is ``aval`` of a mutable or high-level type (JAX stages those its own way)?"""
+    return type(aval) is not ShapedArray and (aval.is_high or getattr(aval, "has_qdd", False))
 
 
-def _atoms(trace: Any, args: Sequence[Any], source_info: Any, keep: list[Any],
+def _atoms(trace: Any, args: Sequence[Any], source_info: Any, consts: dict,
            const_fold: bool = False) -> list[Any] | None:
     """``args`` as atoms of ``trace``'s frame: a ``Var`` (one this module emitted into
     it) as it is, a tracer of it as its ``Var``, a NumPy array as the constant ``bind``
-    makes of it (its tracer appended to ``keep``: the frame finds a constant again by
-    its live tracer, so an array used twice is one constant). ``None`` (and no constant
-    made) when an argument is anything else, none is traced, an array meets
-    ``const_fold`` (JAX would fold the equation), or a traced one is of a mutable or
-    high-level type."""
+    makes of it, one per value and trace (``consts``, which the caller keeps until the
+    trace ends: it holds the constant's tracer, and the frame drops a constant whose
+    tracer died). ``None`` (and no constant made) when an argument is anything else, none
+    is traced, an array meets ``const_fold`` (JAX would fold the equation), or a traced
+    one is of a mutable or high-level type."""
+    out: list[Any] = []
     traced = arrays = False
     for a in args:
         t = type(a)
-        if t is _Var or (t is _pe.DynamicJaxprTracer and a._trace is trace):
-            if _special_aval(a.aval):  # (JAX stages those its own way)
-                return None
-            traced = True
+        if t is _Var:
+            pass
+        elif t is _pe.DynamicJaxprTracer and a._trace is trace:
+            a = a.val
         elif t is np.ndarray:
             arrays = True
+            out.append(a)
+            continue
         else:
             return None
+        if _special_aval(a.aval):
+            return None
+        traced = True
+        out.append(a)
     if not traced or (arrays and const_fold):
         return None
-    out = []
-    for a in args:
-        t = type(a)
-        if t is np.ndarray:
-            a = trace.new_const(_dtypes.canonicalize_value(a), source_info)
-            keep.append(a)
-            t = _pe.DynamicJaxprTracer
-        out.append(a.val if t is _pe.DynamicJaxprTracer else a)
+    if arrays:
+        for i, a in enumerate(out):
+            if type(a) is np.ndarray:
+                key = (trace, a.dtype.str, a.shape, a.tobytes())
+                c = consts.get(key)
+                if c is None:
+                    c = consts[key] = trace.new_const(_dtypes.canonicalize_value(a),
+                                                      source_info)
+                out[i] = c.val
     return out
 
 
@@ -289,21 +298,21 @@ def _append(trace: Any, atoms_: list[Any], out_avals: Sequence[Any], prim: Any,
 
 
 def emit(prim: Any, args: Sequence[Any], params: dict[str, Any], source_info: Any,
-         ctx: Any, keep: list[Any]) -> list[Any] | None:
+         ctx: Any, consts: dict) -> list[Any] | None:
     """Stage ``prim`` on ``args`` (``Var`` objects emitted here, tracers of the current
     jaxpr trace, NumPy arrays; at least one not an array) as one ``JaxprEqn`` appended to
     the trace's frame, with JAX's cached abstract evaluation, the given source info and
     equation context (:func:`eqn_context`): what ``default_process_primitive`` stages,
-    without a tracer per result. ``keep``: a list the caller keeps until the trace ends
-    (:func:`_atoms`). Returns the results' ``Var`` objects, or ``None`` (nothing
-    staged) where JAX would forward, fold or stage it another way."""
+    without a tracer per result. ``consts``: the constants made so far, which the caller
+    keeps until the trace ends (:func:`_atoms`). Returns the results' ``Var`` objects,
+    or ``None`` (nothing staged) where JAX would forward, fold or stage it another way."""
     ok = _DIRECT.get(prim)
     if ok is None:
         ok = _DIRECT[prim] = _emits_directly(prim)
-    trace = _direct_trace() if ok else None
-    if trace is None:
+    trace = _core.trace_ctx.trace  # (``_direct_trace``, inline: this runs for every op)
+    if not ok or type(trace) is not _pe.DynamicJaxprTrace or trace.frame.auto_dce:
         return None
-    atoms_ = _atoms(trace, args, source_info, keep, prim in _pe.const_fold_rules)
+    atoms_ = _atoms(trace, args, source_info, consts, prim in _pe.const_fold_rules)
     if atoms_ is None:
         return None
     out_avals, effs = _pe._cached_abstract_eval(prim, *[v.aval for v in atoms_], **params)
@@ -312,10 +321,10 @@ def emit(prim: Any, args: Sequence[Any], params: dict[str, Any], source_info: An
     return _append(trace, atoms_, out_avals, prim, params, effs, source_info, ctx)
 
 
-def atoms(args: Sequence[Any], source_info: Any, keep: list[Any]) -> list[Any] | None:
+def atoms(args: Sequence[Any], source_info: Any, consts: dict) -> list[Any] | None:
     """``args`` as atoms of the current jaxpr trace's frame (:func:`_atoms`), or ``None``."""
     trace = _direct_trace()
-    return None if trace is None else _atoms(trace, args, source_info, keep)
+    return None if trace is None else _atoms(trace, args, source_info, consts)
 
 
 def atom_tracers(atoms_: Sequence[Any], source_info: Any) -> list[Any]:
@@ -339,6 +348,14 @@ def eqn_context() -> Any:
     """The equation context JAX gives an equation staged now (compute type, mesh, ...):
     the same for every op of a graph evaluated without entering a context between them."""
     return _core.current_jaxpr_eqn_context()
+
+
+def has_vars(values: Sequence[Any]) -> bool:
+    """Does ``values`` hold a ``Var`` emitted by :func:`emit`?"""
+    for v in values:
+        if type(v) is _Var:
+            return True
+    return False
 
 
 def traced(values: Sequence[Any], source_info: Any) -> list[Any]:
