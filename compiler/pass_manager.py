@@ -52,14 +52,16 @@ class PassManager:
     keep: keep the graph after every pass in ``records`` (for ``Lowered.ir(after=...)``);
     when ``False`` only the last one is kept, so the others are freed as soon as the next
     pass has run (a step compiled on first call needs only the last: this keeps the
-    process's long-lived objects, and so the garbage collector's full passes, down).
+    process's long-lived objects, and so the garbage collector's full passes, down);
+    ``"ends"``: the imported graph and the last, from which :func:`rerun` makes the
+    others again when they are asked for (passes are pure functions of their graph).
     """
 
     passes: Sequence[Pass]
     verify: bool | str = True
     dump_dir: str | None = None
     records: list[PassRecord] = field(default_factory=list)
-    keep: bool = True
+    keep: bool | str = True
 
     def __post_init__(self) -> None:
         if self.dump_dir is None:
@@ -104,8 +106,8 @@ class PassManager:
             dt = time.perf_counter() - t0
             if each:
                 self._verify(graph, p.name)
-            if not self.keep:
-                last = self.records[-1]
+            if self.keep is not True and (self.keep is False or i > 1):
+                last = self.records[-1]  # (``"ends"`` keeps the imported graph)
                 self.records[-1] = PassRecord(last.name, last.seconds, None)
             self.records.append(PassRecord(p.name, dt, graph))
             self._dump(i, p.name, dt, graph)
@@ -125,6 +127,18 @@ class PassManager:
         path = os.path.join(self.dump_dir, f"{index:02d}-{name}.txt")
         with open(path, "w") as f:
             f.write(f"// pass: {name}  time: {seconds * 1e3:.3f} ms\n{graph}\n")
+
+
+def rerun(passes: Sequence[Pass], records: Sequence[PassRecord]) -> list[PassRecord]:
+    """``records`` of a run that kept only its ends (``keep="ends"``) with every graph:
+    the passes run again from the imported graph (without the verifier: the first run
+    verified it); the times are the first run's, the last graph its own object."""
+    if all(r.graph is not None for r in records):
+        return list(records)
+    pm = PassManager(passes, verify=False, dump_dir="", keep=True)
+    pm.run(records[0].graph)
+    graphs = [r.graph for r in pm.records[:-1]] + [records[-1].graph]
+    return [PassRecord(r.name, r.seconds, g) for r, g in zip(records, graphs)]
 
 
 def parse_pipeline(text: str, **options) -> list[Pass]:

@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from compiler.lower import build_jitted
-from compiler.pass_manager import PassManager, parse_pipeline
+from compiler.pass_manager import PassManager, parse_pipeline, rerun
 from compiler.trace import LeafSpec, global_shape, trace_replica_fn
 from ir import _jax_compat as jc
 from ir.jaxpr_import import REPLICA_AXIS
@@ -248,11 +248,12 @@ class Program:
     C++ callable a cache hit may use directly with the caller's arguments (or ``None``)."""
 
     def __init__(self, owner: Any, records, jax_lowered, in_layout, out_treedef,
-                 out_varying, out_ranks, entry_tree: Any = None):
+                 out_varying, out_ranks, entry_tree: Any = None, passes: Any = None):
         # (not the ``jax.jit`` function lowered: JAX's trace cache would keep the second
         # trace's jaxpr alive, ~5 objects per IR op, for as long as the program lives)
         self.owner = owner
-        self.records = records
+        self._records = records
+        self._passes = passes  # to make the IR between the ends again (``records``)
         self.jax_lowered = jax_lowered
         self.jax_compiled = None
         self.in_layout = in_layout      # per arg leaf: None (mirrored) or (inner_treedef, ranks)
@@ -273,6 +274,19 @@ class Program:
         self.hit = None
         self.lower_times: dict[str, float] = {}
         self.import_split: dict[str, float] = {}
+
+    @property
+    def records(self) -> list:
+        """The pipeline's stages (``PassRecord``: name, seconds, graph). A program built
+        with ``passes`` kept only the imported and the last graph; the others are made
+        again the first time this is read (``pass_manager.rerun``)."""
+        if self._passes is not None:
+            self._records, self._passes = rerun(self._passes, self._records), None
+        return self._records
+
+    def stage_times(self) -> list[tuple[str, float]]:
+        """(name, seconds) of each stage, without making any graph again."""
+        return [(r.name, r.seconds) for r in self._records]
 
     def compile(self) -> Program:
         if self.jax_compiled is None:
@@ -424,7 +438,11 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
                             num_logical_devices=rep.logical_devices,
                             bucket_bytes=rep.options.bucket_bytes)
     dump = rep._dump_folder(key, "ir")  # "": no dump
-    pm = PassManager(passes, verify=rep.options.verify, dump_dir=dump, keep=keep or bool(dump))
+    # ``keep`` (or a dump of the program, which writes every stage's IR): the ends, the
+    # IR between made again when it is asked for (``Program.records``)
+    keep = keep or bool(dump)
+    pm = PassManager(passes, verify=rep.options.verify, dump_dir=dump,
+                     keep="ends" if keep else False)
     final = pm.run(graph, import_seconds=t_import)
     out_varying = [v.type.replica is not Replica.MIRRORED for v in final.outputs]
     out_ranks = [v.type.rank for v in final.outputs]
@@ -447,7 +465,8 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
     jax_lowered = traced.lower()
     t2 = time.perf_counter()
     prog = Program(rep, pm.records, jax_lowered, in_layout, out_info["treedef"],
-                   out_varying, out_ranks, entry_tree=treedef if entry else None)
+                   out_varying, out_ranks, entry_tree=treedef if entry else None,
+                   passes=passes if keep else None)
     # the IR evaluated once more under jax.jit (the second trace), then JAX's lowering
     prog.lower_times = {"retrace (IR under jax.jit)": t1 - t0, "lower to StableHLO": t2 - t1}
     prog.import_split = split  # "import" = JAX's trace of the step + the jaxpr's import

@@ -29,7 +29,7 @@ class Lowered:
 
     @property
     def pass_names(self) -> list[str]:
-        return [r.name for r in self._program.records]
+        return [name for name, _ in self._program.stage_times()]
 
     def ir(self, after: str | None = None) -> Graph:
         recs = self._program.records
@@ -63,7 +63,7 @@ class Lowered:
         """Seconds spent in each stage: ``import`` (the trace of the step), each pass, and
         when known the lowering's two parts (the IR evaluated under ``jax.jit``, then
         JAX's lowering to StableHLO)."""
-        out = {r.name: r.seconds for r in self._program.records}
+        out = dict(self._program.stage_times())
         out.update(getattr(self._program, "lower_times", {}))
         return out
 
@@ -90,7 +90,7 @@ class Compiled:
 
     @property
     def pass_names(self) -> list[str]:
-        return [r.name for r in self._program.records]
+        return [name for name, _ in self._program.stage_times()]
 
     def ir(self, after: str | None = None) -> Graph:
         return Lowered(self._program).ir(after)
