@@ -344,6 +344,95 @@ def emit_recorded(recorded: Any, atoms_: Sequence[Any], source_info: Any,
                    _core.no_effects, source_info, ctx)
 
 
+def frame_mark() -> tuple | None:
+    """Where the current jaxpr trace's frame stands (for :func:`recorded_since`), or
+    ``None`` when equations cannot be appended to it (:func:`_direct_trace`)."""
+    trace = _direct_trace()
+    if trace is None:
+        return None
+    frame = trace.frame
+    return trace, len(frame.tracing_eqns), len(frame.constvar_to_val)
+
+
+def plain_vars(atoms_: Sequence[Any]) -> bool:
+    """Are ``atoms_`` variables of the current trace's frame that hold no constant (what
+    JAX may fold on, a recording's equations could not be replayed on)?"""
+    consts = _core.trace_ctx.trace.frame.constvar_to_val
+    for a in atoms_:
+        if type(a) is not _Var or a in consts:
+            return False
+    return True
+
+
+def recorded_since(mark: tuple, in_atoms: Sequence[Any], outs: Sequence[Any],
+                   source_info: Any) -> tuple | None:
+    """What was staged since ``mark`` by a function of ``in_atoms`` (atoms of the frame)
+    that returned ``outs``, for :func:`emit_recording` on other atoms of the same types:
+    each equation's primitive, parameters, result types, operands (an input's index, an
+    earlier equation's result, or a literal) and effects, and each output's source.
+    ``None`` when that is not all it did (a new constant, an effect other than a
+    collective's named axis, an equation reading something else, an output from
+    elsewhere, a name stack other than ``source_info``'s, which is the one a replay
+    gives), or an input is not a plain variable (:func:`plain_vars`)."""
+    trace, n_eqns, n_consts = mark
+    frame = trace.frame
+    if (_core.trace_ctx.trace is not trace or len(frame.constvar_to_val) != n_consts
+            or not plain_vars(in_atoms)):
+        return None
+    where: dict[int, tuple] = {id(a): ("in", i) for i, a in enumerate(in_atoms)}
+    eqns = []
+    for j, e in enumerate(frame.tracing_eqns[n_eqns:]):
+        if type(e) is _pe.TracingEqn:
+            invars = [t.val for t in e.in_tracers]
+        elif type(e) is _core.JaxprEqn:
+            invars = e.invars
+        else:
+            return None
+        if e.source_info.name_stack != source_info.name_stack or any(
+                type(f) is not _core.NamedAxisEffect for f in e.effects):
+            return None  # (a collective's named axis: the only effect kept with it)
+        ops = []
+        for a in invars:
+            src = where.get(id(a))
+            if src is None:
+                if type(a) is not _core.Literal:
+                    return None
+                src = ("lit", a)
+            ops.append(src)
+        for k, v in enumerate(e.outvars):
+            where[id(v)] = ("eqn", j, k)
+        eqns.append((e.primitive, e.params, [v.aval for v in e.outvars], ops, e.effects))
+    srcs = []
+    for o in outs:
+        if type(o) is not _pe.DynamicJaxprTracer or o._trace is not trace:
+            return None
+        src = where.get(id(o.val))
+        if src is None:
+            return None
+        srcs.append(src)
+    return eqns, srcs
+
+
+def emit_recording(recording: tuple, atoms_: Sequence[Any], source_info: Any,
+                   ctx: Any) -> list[Any]:
+    """What :func:`recorded_since` recorded, staged again on ``atoms_`` (atoms of the
+    current trace's frame of the recorded types), every equation with ``source_info``
+    and ``ctx``. Returns the outputs' atoms."""
+    eqns, srcs = recording
+    trace = _core.trace_ctx.trace
+    made: list[list[Any]] = []
+
+    def atom(src: tuple) -> Any:
+        kind = src[0]
+        return atoms_[src[1]] if kind == "in" else made[src[1]][src[2]] if kind == "eqn" \
+            else src[1]
+
+    for prim, params, out_avals, ops, effs in eqns:
+        made.append(_append(trace, [atom(s) for s in ops], out_avals, prim, params, effs,
+                            source_info, ctx))
+    return [atom(s) for s in srcs]
+
+
 def eqn_context() -> Any:
     """The equation context JAX gives an equation staged now (compute type, mesh, ...):
     the same for every op of a graph evaluated without entering a context between them."""

@@ -360,3 +360,50 @@ def test_staged_callbacks_run_once_per_replica_on_its_own_values():
     assert ours == sorted(_LOG) and len(ours) == 4
     for r in range(4):
         np.testing.assert_allclose(np.asarray(out.values[r]), want[r], rtol=1e-6)
+
+
+def _four_layer_step(ws, x):
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h ** 2)
+    g = jax.grad(loss)(ws)
+    return [w - 0.1 * gw for w, gw in zip(ws, g)], loss(ws)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_rule_calls_are_replayed_into_the_same_module(monkeypatch, dtype):
+    """In the second trace, an all-reduce's rule runs once per attributes and operand
+    types and what it staged is staged again for the others (``_Stager.rule_call``; on
+    CPU a 16-bit one is widened to float32 and back). Oracle: the StableHLO module,
+    locations included, equals the one the rule run at every op gives, and the results
+    are ``jax.jit``'s of the step on the whole batch."""
+    import compiler.lower as lower
+    rng = np.random.default_rng(3)
+    ws = [jnp.asarray(rng.normal(size=(4, 4)) * 0.5, dtype) for _ in range(4)]
+    xs = [jnp.asarray(rng.normal(size=(2, 4)), dtype) for _ in range(2)]
+    replays = []
+    real = lower.jc.emit_recording
+
+    def counting(*a):
+        replays.append(a[0])
+        return real(*a)
+
+    texts = []
+    for replay in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(lower.jc, "emit_recording", counting)
+            if not replay:
+                m.setattr(lower._Stager, "rule_call", lambda *a: None)
+            texts.append(rt.replicate(_four_layer_step, num_replicas=2)
+                         .lower(ws, rt.PerReplica(xs)).as_text(debug_info=True))
+    # four gradients of one type: the first all-reduce recorded, three replayed
+    assert len(replays) == 3 and texts[0].count("all_reduce") >= 4, replays
+    assert texts[0] == texts[1]
+    new_ws, losses = rt.replicate(_four_layer_step, num_replicas=2)(ws, rt.PerReplica(xs))
+    want_ws, _ = jax.jit(lambda ws, x: _four_layer_step(ws, x))(ws, jnp.concatenate(xs))
+    tol = 1e-5 if dtype == np.float32 else 2e-2
+    for got, want in zip(new_ws, want_ws):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol)
