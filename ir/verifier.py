@@ -33,6 +33,14 @@ def _shape(shape: tuple) -> str:
 
 def _check_elementwise(op: Op) -> str | None:
     # Scalars broadcast; equal-rank operands broadcast their size-1 dims (as lax does).
+    if len(op.results) == 1:  # the usual case first: every operand the result's shape
+        want = op.results[0].type.shape
+        for v in op.operands:
+            s = v.type.shape
+            if s != want and s != ():
+                break
+        else:
+            return None
     shapes = [v.type.shape for v in op.operands if v.type.shape != ()]
     if not shapes:
         return None
@@ -137,13 +145,14 @@ def _verify(graph: Graph, where: str, outer_scopes: tuple[set[Value], ...], root
             raise _fail(root, owner, f"input {name(v)} ({v.type}) is listed twice", where)
         defined.add(v)
     for op in graph.ops:
-        for i, v in enumerate(op.operands):
-            if v not in defined:
-                outer = any(v in d for d in outer_scopes)
-                scope = " (regions are isolated: pass it as an operand)" if outer else ""
-                never = "" if v in names else ", and never defined"
-                raise _fail(root, op, f"operand {i} ({name(v)}) of {op.name} is used before it "
-                                      f"is defined{never}{scope}", where)
+        if not defined.issuperset(op.operands):  # (the loop only to name the first)
+            for i, v in enumerate(op.operands):
+                if v not in defined:
+                    outer = any(v in d for d in outer_scopes)
+                    scope = " (regions are isolated: pass it as an operand)" if outer else ""
+                    never = "" if v in names else ", and never defined"
+                    raise _fail(root, op, f"operand {i} ({name(v)}) of {op.name} is used "
+                                          f"before it is defined{never}{scope}", where)
         for j, r in enumerate(op.results):
             if r in defined:
                 raise _fail(root, op, f"result {j} ({name(r)}) of {op.name} is already defined",
@@ -169,7 +178,7 @@ def _check_op(op: Op, where: str, root: Graph, names: _LazyNames) -> None:
     """The checks that depend on ``op`` alone: its region references, its per-op rule,
     its name and arity, and the replica rule."""
     # (an op without regions is checked for dangling references only by a cheap scan)
-    if op.regions or _has_ref(op.attrs):
+    if op.regions or (op.attrs and _has_ref(op.attrs)):
         refs = sorted(set(map_region_refs(op.attrs)))
         if refs != list(range(len(op.regions))):
             raise _fail(root, op, f"{op.name} has {len(op.regions)} regions but its "
@@ -182,7 +191,8 @@ def _check_op(op: Op, where: str, root: Graph, names: _LazyNames) -> None:
             msg = "unknown op (neither one of this project's ops nor a JAX primitive)"
         else:
             _known.add(name)
-    msg = msg or ops.arity_error(name, len(op.operands))
+    if msg is None and name in ops.ARITY:
+        msg = ops.arity_error(name, len(op.operands))
     if msg:
         raise _fail(root, op, f"{name}: {msg}", where)
     if name in REPLICA_REDUCING_OPS or op.regions:
