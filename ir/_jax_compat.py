@@ -180,27 +180,12 @@ def _with_constants(trace: Any, args: Sequence[Any], source_info: Any) -> list[A
             else trace.new_const(_dtypes.canonicalize_value(a), source_info) for a in args]
 
 
-def as_traced(args: Sequence[Any], source_info: Any) -> list[Any] | None:
-    """``args`` as tracers of the jaxpr trace being built, NumPy arrays made its
-    constants as ``bind`` makes them (for :func:`call_and_record` and :func:`replay`);
-    ``None`` (and no constant made) unless the trace is a jaxpr trace and every argument
-    a tracer of it or an array."""
-    trace = _core.trace_ctx.trace
-    if type(trace) is not _pe.DynamicJaxprTrace:
-        return None
-    for a in args:
-        if type(a) is not np.ndarray and (type(a) is not _pe.DynamicJaxprTracer
-                                          or a._trace is not trace):
-            return None
-    return _with_constants(trace, args, source_info)
-
-
 def call_and_record(fn: Any, args: Sequence[Any]) -> tuple[list[Any], Any]:
-    """``fn(*args)`` on tracers of the current jaxpr trace (:func:`as_traced`), and what
+    """``fn(*args)`` on tracers of the current jaxpr trace (:func:`atom_tracers`), and what
     it staged when that was one equation that reads exactly ``args`` and whose results
-    are exactly the outputs (a nested ``jax.jit`` call): the equation's primitive,
-    parameters, effects and result types, for :func:`replay` on other arguments of the
-    same types. Otherwise (JAX inlined or forwarded something) ``None``."""
+    are exactly the outputs (a nested ``jax.jit`` call, with no effect): the equation's
+    primitive, parameters and result types, for :func:`emit_recorded` on other atoms of
+    the same types. Otherwise (JAX inlined or forwarded something) ``None``."""
     outs = list(fn(*args))
     eqn = getattr(outs[0], "parent", None) if outs else None
     if (eqn is None or eqn.effects or len(eqn.outvars) != len(outs)
