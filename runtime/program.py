@@ -376,7 +376,9 @@ class Program:
 # -- building a program -----------------------------------------------------------------
 def build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool = True) -> Program:
     """Trace ``rep.fn`` for the signature ``key``, run the passes, lower: a
-    :class:`Program` not yet compiled. ``keep``: keep every pass's IR (``Lowered.ir``)."""
+    :class:`Program` not yet compiled. ``keep``: every pass's IR can be read
+    (``Lowered.ir``): the imported and the last are kept, the others made again when
+    first asked for (``Program.records``)."""
     with gc_paused():
         return _build(rep, leaves, treedef, key, keep)
 
