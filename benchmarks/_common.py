@@ -42,9 +42,9 @@ def interleaved(fns: dict[str, Callable[[], float | None]], reps: int) -> dict[s
 def settle() -> None:
     """Collect the garbage earlier samples left, before the next one is timed. Without it
     one side pays the other's collections: ``replicate`` pauses the collector while it
-    builds a program, and the objects it made (every stage's IR, kept by the ``Lowered``)
-    were collected inside the ``jax.jit`` sample that followed; at 32 layers that made
-    jit's lowering ~20 ms slower and our cold ratio look ~0.04 better than it is."""
+    builds a program, and the objects it made (the IR the ``Lowered`` keeps) were
+    collected inside the ``jax.jit`` sample that followed; at 32 layers that made jit's
+    lowering ~20 ms slower and our cold ratio look ~0.04 better than it is."""
     gc.collect()
 
 

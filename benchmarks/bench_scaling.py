@@ -98,7 +98,7 @@ def main() -> None:
 
         def ours() -> int:
             """Our lower + compile; the stages' times noted; the IR op count returned.
-            The ``Lowered`` (every stage's IR) is freed and collected before the other
+            The ``Lowered`` (and the IR it keeps) is freed and collected before the other
             side runs (``_common.settle``), so neither side pays for the other's garbage."""
             step = rt.replicate(make_step(L), num_replicas=n)
             t0 = time.perf_counter()

@@ -294,8 +294,8 @@ def emit(prim: Any, args: Sequence[Any], params: dict[str, Any], source_info: An
     ok = _DIRECT.get(prim)
     if ok is None:
         ok = _DIRECT[prim] = _emits_directly(prim)
-    trace = _core.trace_ctx.trace  # (``_direct_trace``, inline: this runs for every op)
-    if not ok or type(trace) is not _pe.DynamicJaxprTrace or trace.frame.auto_dce:
+    trace = _direct_trace() if ok else None
+    if trace is None:
         return None
     atoms_ = _atoms(trace, args, source_info, consts, prim in _pe.const_fold_rules)
     if atoms_ is None:
