@@ -11,8 +11,10 @@ compile of the same global step for comparison, and the cold ratio: our whole
 XLA's compile over ``jax.jit``'s (issue 15: at most 1.1 at 32 layers and above), with its
 two parts (lowering, XLA) as ratios; and XLA's compile of the step written by hand per
 replica (``shard_map`` + ``pmean``: the form ``replicate`` gives XLA) over jit's, which
-shows what of the XLA part comes from that form. Medians of ``--reps`` cold builds
-(fresh functions, so no cache hits).
+shows what of the XLA part comes from that form; and our cold lower() + XLA over that
+hand-written ``shard_map``'s lower + XLA (what ``replicate`` costs over writing the
+per-replica program by hand). Medians of ``--reps`` cold builds (fresh functions, so no
+cache hits); the three sides' order rotates from rep to rep.
 
     .venv/bin/python benchmarks/bench_scaling.py [--reps 3] [--layers 2,8,32,128]
 """
@@ -72,7 +74,7 @@ def print_row(L, ops, med, total, own, xla_t, rl, rc, paired) -> None:
           f"{med['other'] * 1e3:>6.1f} {xla_t * 1e3:>8.1f} {share:>7.0%}{flag} | "
           f"{rl * 1e3:>9.1f} {rc * 1e3:>8.1f} | {paired['lower']:>5.2f}x "
           f"{paired['XLA']:>5.2f}x {paired['sm XLA']:>5.2f}x | {cold:>12.2f}x{cflag}"
-          f"  (reps {paired['cold lo']:.2f}..{paired['cold hi']:.2f})")
+          f"  (reps {paired['cold lo']:.2f}..{paired['cold hi']:.2f}) | {paired['vs sm']:>9.2f}x")
 
 
 def main() -> None:
@@ -87,14 +89,14 @@ def main() -> None:
     print(f"{'layers':>6} {'IR ops':>7} {'trace':>7} {'import':>7} {'passes':>7} {'retrace':>8} "
           f"{'HLO':>7} {'total':>7} {'us/op':>6} {'other':>6} {'XLA':>8} {'own/XLA':>8} | "
           f"{'jit lower':>9} {'jit XLA':>8} | {'lower':>6} {'XLA':>6} {'sm XLA':>6} | "
-          f"{'cold ours/jit':>13}")
+          f"{'cold ours/jit':>13} {'':>22} | {'ours/sm':>10}")
     for L in [int(v) for v in args.layers.split(",")]:
         params = [(jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32))
                   for _ in range(L)]
         x = jax.ShapeDtypeStruct((BATCH // n, D), jnp.float32)
         xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
         stages: dict[str, list[float]] = {}
-        xla, ref_lower, ref_comp, sm_comp, walls, n_ops = [], [], [], [], [], 0
+        xla, ref_lower, ref_comp, sm_lower, sm_comp, walls, n_ops = [], [], [], [], [], [], 0
 
         def ours() -> int:
             """Our lower + compile; the stages' times noted; the IR op count returned.
@@ -128,15 +130,19 @@ def main() -> None:
             ref_comp.append(time.perf_counter() - t1)
 
         def sm() -> None:
-            sl = make_shard_map_step(L, mesh).lower(params, xg, xg)
+            fn = make_shard_map_step(L, mesh)
             t0 = time.perf_counter()
+            sl = fn.lower(params, xg, xg)
+            t1 = time.perf_counter()
             sl.compile()
-            sm_comp.append(time.perf_counter() - t0)
+            sm_lower.append(t1 - t0)
+            sm_comp.append(time.perf_counter() - t1)
 
+        sides = (ours, jit, sm)
         for rep in range(args.reps):
-            # which goes first alternates: neither side always runs right after a compile
-            # of the other's (or its own) program; each starts with the garbage collected
-            for side in ((ours, jit) if rep % 2 == 0 else (jit, ours)) + (sm,):
+            # the order rotates: no side always runs right after a compile of another's
+            # (or its own) program; each starts with the garbage collected
+            for side in sides[rep % 3:] + sides[:rep % 3]:
                 _common.settle()
                 n_ops = side() or n_ops
         med = {k: statistics.median(v) for k, v in stages.items()}
@@ -150,7 +156,9 @@ def main() -> None:
             "cold": statistics.median(colds), "cold lo": min(colds), "cold hi": max(colds),
             "lower": statistics.median(w / jw for w, jw in zip(walls, ref_lower)),
             "XLA": statistics.median(c / jc for c, jc in zip(xla, ref_comp)),
-            "sm XLA": statistics.median(c / jc for c, jc in zip(sm_comp, ref_comp))}
+            "sm XLA": statistics.median(c / jc for c, jc in zip(sm_comp, ref_comp)),
+            "vs sm": statistics.median((w + c) / (sl + sc) for w, c, sl, sc
+                                       in zip(walls, xla, sm_lower, sm_comp))}
         rows.append((L, n_ops, med, total, own, statistics.median(xla),
                      statistics.median(ref_lower), statistics.median(ref_comp), paired))
         print_row(*rows[-1])  # as it is measured: a run stopped later keeps its rows
@@ -164,7 +172,9 @@ def main() -> None:
           f"rep's ratio, the spread this machine's noise gives the median); lower, XLA = its two "
           f"parts, ours over jit's (ratios: medians of each rep's ratio); sm XLA = XLA's "
           f"compile of the step written by hand per replica (shard_map + pmean, the form "
-          f"replicate gives XLA) over jit's")
+          f"replicate gives XLA) over jit's; ours/sm = our cold lower() + XLA over that "
+          f"hand-written shard_map's lower + XLA (what replicate costs over writing the "
+          f"per-replica program by hand)")
 
 
 if __name__ == "__main__":
