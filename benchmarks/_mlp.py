@@ -21,12 +21,14 @@ class MLP(nn.Module):
         return nn.Dense(OUT)(x)
 
 
-def make_step(model: nn.Module, tx: optax.GradientTransformation):
+def make_step(model: nn.Module, tx: optax.GradientTransformation, pmean_axis: str | None = None):
     """A fresh step function object each call (so no JAX cache can hit across calls).
 
     The same Python function serves both paths: under ``rt.replicate`` it sees one
     replica's batch and the passes all-reduce (mean) the gradients; under ``jax.jit`` it
-    sees the global batch and GSPMD inserts the reductions."""
+    sees the global batch and GSPMD inserts the reductions. With ``pmean_axis``, it is the
+    step written by hand per replica (for ``jax.shard_map``): the gradients and the loss
+    averaged over that axis."""
     def train_step(state, batch):
         params, opt_state = state
 
@@ -35,6 +37,8 @@ def make_step(model: nn.Module, tx: optax.GradientTransformation):
             return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
+        if pmean_axis is not None:
+            grads, loss = jax.lax.pmean((grads, loss), pmean_axis)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
     return train_step
