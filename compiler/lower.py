@@ -501,14 +501,14 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
     for op in graph.ops:
         try:
             outs = None
+            vals = [env[v] for v in op.operands]
             if stager is not None:
                 if not op.regions and op.name not in LOWERING_RULES:
-                    outs = stager.stage(op, [env[v] for v in op.operands], ctx)
+                    outs = stager.stage(op, vals, ctx)
                 elif op.name in _SHARABLE:
-                    outs = stager.shared_call(op, [env[v] for v in op.operands], ctx)
+                    outs = stager.shared_call(op, vals, ctx)
             if outs is None:
                 fn = LOWERING_RULES.get(op.name, _bind)
-                vals = [env[v] for v in op.operands]
                 if fn is _cast_varying:  # (an identity: ``Var`` objects pass as they are)
                     env.update(zip(op.results, vals))
                     continue

@@ -313,7 +313,9 @@ def atoms(args: Sequence[Any], source_info: Any, consts: dict) -> list[Any] | No
 
 
 def atom_tracers(atoms_: Sequence[Any], source_info: Any) -> list[Any]:
-    """Tracers of the current trace for atoms of its frame (:func:`atoms`)."""
+    """Tracers of the current trace for atoms of its frame (:func:`atoms`), literals
+    included (a scalar constant's atom is a ``Literal``, which :func:`traced` passes
+    through as it is)."""
     trace = _core.trace_ctx.trace
     return [trace.var_to_tracer(a, source_info) for a in atoms_]
 
