@@ -21,6 +21,7 @@ from compiler.hlo_report import ir_scope
 from ir import _jax_compat as jc
 from ir.graph import NOTE_ATTRS, Graph, Op, Opaque, RegionRef
 from ir.jaxpr_import import REPLICA_AXIS
+from ir.ops import COLLECTIVES
 from compiler.mesh import logical_devices_of, partition_spec
 
 Rule = Callable[[Op, list[Any]], list[Any]]
@@ -370,13 +371,43 @@ def scope_name(op: Op) -> str:
 _SCOPES: dict[tuple, str] = {}
 #: ops that make no HLO of their own (a NumPy constant, a type-level cast): no scope to name
 _UNSCOPED = frozenset({"constant", "cast_varying"})
+#: does every op lower under its scope (K > 1: XLA's partitioner may make a collective of
+#: any op), or only the collectives (K = 1: they are the only ones)? Set by ``build_jitted``
+_SCOPE_EVERY_OP: contextvars.ContextVar[bool] = contextvars.ContextVar("scope_every_op",
+                                                                       default=True)
 
 
 def _scope(op: Op) -> str | None:
-    """The name scope ``op`` lowers under, or ``None`` (no HLO of its own, no line)."""
+    """The name scope ``op`` lowers under, or ``None`` (no HLO of its own, no line, or
+    no collective where only collectives are named: ``_SCOPE_EVERY_OP``).
+
+    The scope is how ``compiler.hlo_report`` finds the IR op and the user's line behind
+    a collective; nothing else reads it. Every op's HLO names the user's frames that
+    made it as ``jax.jit``'s does (``source_file``/``source_line`` metadata, which
+    profilers show), through the traceback its :class:`~ir.graph.Loc` kept from the
+    trace (``_Stager.source_info``, ``_op_context``); before, each op's line was in its
+    ``op_name`` only and its source frames were the caller's of ``lower``."""
     if op.name in _UNSCOPED or op.loc is None or not op.loc.line:
         return None
+    if op.name not in COLLECTIVES and not _SCOPE_EVERY_OP.get():
+        return None
     return scope_name(op)
+
+
+def _user_traceback(op: Op) -> Any:
+    """The traceback of the user's code that made ``op`` (``Loc.traceback``), or ``None``."""
+    return None if op.loc is None or op.name in _UNSCOPED else op.loc.traceback
+
+
+@contextlib.contextmanager
+def _op_context(op: Op, scope: str | None):
+    """The context a rule lowers ``op`` in: what it stages names the user's frames that
+    made the op, as ``_Stager.source_info`` gives the ops it stages itself, and the op's
+    scope (``_scope``)."""
+    tb = _user_traceback(op)
+    with (contextlib.nullcontext() if tb is None else jc.user_traceback(tb)), \
+            (contextlib.nullcontext() if scope is None else jax.named_scope(scope)):
+        yield
 
 
 class _Stager:
@@ -399,16 +430,21 @@ class _Stager:
     def source_info(self, op: Op) -> Any:
         ctx = jc.source_info_context()
         scope = _scope(op)
-        key = (id(ctx), scope)
+        loc = op.loc
+        user_tb = None if loc is None else loc.traceback
+        key = (id(ctx), scope, id(user_tb))
         hit = self.infos.get(key)
-        if hit is None:  # (the entry keeps its context alive: its id is not reused)
-            traceback = ctx.traceback
-            if traceback is None:  # the user's frames are the same for every op
+        if hit is None:  # (the entry keeps its context and traceback alive: ids not reused)
+            # the frames of the user's code that made the op (kept from the trace), else
+            # those of the context (a rule's op: ``eval_graph``), else the caller's, the
+            # same for every op
+            traceback = user_tb if user_tb is not None else ctx.traceback
+            if traceback is None:
                 if self.traceback is None:
                     self.traceback = jc.current_source_info().traceback
                 traceback = self.traceback
             stack = ctx.name_stack if scope is None else ctx.name_stack.extend(scope)
-            hit = self.infos[key] = (jc.source_info(traceback, stack), ctx)
+            hit = self.infos[key] = (jc.source_info(traceback, stack), ctx, user_tb)
         return hit[0]
 
     def shared_call(self, op: Op, args: list[Any], ctx: Any) -> list[Any] | None:
@@ -428,8 +464,7 @@ class _Stager:
         recorded = self.recorded.get(key)
         if recorded is not None:
             return jc.emit_recorded(recorded, atoms, info, ctx)
-        scope = _scope(op)
-        with contextlib.nullcontext() if scope is None else jax.named_scope(scope):
+        with _op_context(op, _scope(op)):
             outs, recorded = jc.call_and_record(shared[1], jc.atom_tracers(atoms, info))
         if recorded is not None:
             self.recorded[key] = recorded
@@ -454,8 +489,7 @@ class _Stager:
         if recording is not None:
             return jc.emit_recording(recording, atoms, info, ctx)
         mark = jc.frame_mark()
-        scope = _scope(op)
-        with contextlib.nullcontext() if scope is None else jax.named_scope(scope):
+        with _op_context(op, _scope(op)):
             outs = rule(op, jc.atom_tracers(atoms, info))
         if mark is not None:
             recording = jc.recorded_since(mark, atoms, outs, info)
@@ -520,10 +554,10 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
                 scope = _scope(op)
                 if stager is not None and jc.has_vars(vals):  # (rules take tracers)
                     vals = jc.traced(vals, stager.source_info(op))
-                if scope is None:
+                if scope is None and _user_traceback(op) is None:
                     outs = fn(op, vals)
                 else:
-                    with jax.named_scope(scope):
+                    with _op_context(op, scope):
                         outs = fn(op, vals)
         except LoweringError:
             raise
@@ -559,6 +593,7 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
     def body(*xs):
         args = [x.reshape(()) if v and r == 0 else x for x, v, r in zip(xs, in_varying, in_ranks)]
         token, shared = _PLATFORM.set(platform), _SHARED.set(_Sharing(graph))
+        every = _SCOPE_EVERY_OP.set(k > 1)
         # kept past the trace's end (``shard_map`` makes the jaxpr after ``body``
         # returns), with the tracers of the constants its equations read
         last_stager[:] = [_Stager()]
@@ -567,6 +602,7 @@ def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks:
             outs = eval_graph(graph, args)
         finally:
             _STAGER.reset(stager)
+            _SCOPE_EVERY_OP.reset(every)
             _SHARED.reset(shared)
             _PLATFORM.reset(token)
         return tuple(o.reshape((1,)) if v and r == 0 else o

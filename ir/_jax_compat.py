@@ -468,6 +468,12 @@ def source_info(traceback: Any, name_stack: Any) -> Any:
     return _siu.SourceInfo(traceback, name_stack)
 
 
+def user_traceback(traceback: Any) -> Any:
+    """A context in which what JAX stages names ``traceback``'s frames as the user's (a
+    traceback JAX recorded in a trace; the name stack stays the current one)."""
+    return _siu.user_context(traceback, name_stack=_siu._source_info_context.context.name_stack)
+
+
 def current_source_info() -> Any:
     return _siu.current()
 

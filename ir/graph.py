@@ -42,6 +42,11 @@ class Loc:
     file: str
     line: int
     name_stack: str = ""
+    #: the traceback JAX recorded for the first equation imported at this location (not
+    #: printed, not compared): lowering gives it to the op's HLO, whose metadata then
+    #: names the user's frames as ``jax.jit``'s does; ``None`` for ops a pass made and
+    #: for IR parsed from text
+    traceback: Any = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         s = f"{os.path.basename(self.file)}:{self.line}"

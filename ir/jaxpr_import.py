@@ -226,7 +226,7 @@ class _Importer:
             return None
         loc = self.locs.get(key)
         if loc is None:
-            loc = self.locs[key] = Loc(*key)
+            loc = self.locs[key] = Loc(*key, traceback=info.traceback)
         return loc
 
     def rename(self, v: Any) -> Any:

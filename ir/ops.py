@@ -37,6 +37,12 @@ ARITY: dict[str, int] = {**{n: 1 for n in _UNARY}, **{n: 2 for n in _BINARY},
 ARITY = {k: v for k, v in ARITY.items() if v is not None}
 
 
+#: ops that may talk to other devices (ours and JAX's own names; over the replica axis,
+#: or another named axis of a user's program)
+COLLECTIVES = frozenset({"all_reduce", "all_gather", "all_to_all", "ppermute", "reduce_scatter",
+                         "psum_scatter", "pbroadcast", "all_gather_invariant", "ragged_all_to_all",
+                         "pgather", "psum", "pmax", "pmin", "psum_invariant"})
+
 #: primitive names of other JAX versions that lowering still accepts (call-like ops)
 COMPAT_NAMES = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
                           "checkpoint", "custom_vjp_call_jaxpr", "custom_vjp_call",

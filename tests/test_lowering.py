@@ -5,6 +5,7 @@ regions mean exactly the same thing (constants by their bits, ``-0.0`` apart fro
 ``0.0``). Oracle: ``jax.jit`` of the same per-replica function on each replica's data."""
 from __future__ import annotations
 
+import inspect
 import re
 
 import jax
@@ -272,7 +273,7 @@ def _stage_step(w, x):
 def test_staged_second_trace_lowers_to_the_module_bind_gives_locations_included(monkeypatch):
     """The second trace stages the ops that re-bind their primitive straight into the
     jaxpr (an equation appended to the frame, ``jc.emit``, else ``jc.stage``), with
-    source info made once per name scope. Oracle: the same step lowered with every op
+    source info made once per name scope and user's traceback. Oracle: the same step lowered with every op
     bound through ``jax.named_scope`` + ``Primitive.bind`` gives the same StableHLO, op
     names and the user's source locations included."""
     from ir import _jax_compat as jc
@@ -302,8 +303,12 @@ def test_staged_second_trace_lowers_to_the_module_bind_gives_locations_included(
     emitted, tries = sum(staged["emit"]), len(staged["emit"])
     assert emitted > 50 and emitted > 0.8 * tries, (emitted, tries)
     assert direct == bound
-    # (what was compared: each op's scope, the user's line, under JAX's own name stack)
-    assert 'loc("jit[test_lowering.py:24]/div[test_lowering.py:24]/div")' in direct
+    # (what was compared: the user's frames of each op, under JAX's own name stack, and
+    # the scopes of the collectives, the only ops that carry one with K = 1)
+    src, first = inspect.getsourcelines(_norm)
+    norm_line = first + next(i for i, ln in enumerate(src) if "rsqrt" in ln)
+    assert f'"{__file__}":{norm_line}:' in direct
+    assert set(re.findall(r"(\w+)\[test_lowering\.py:\d+\]", direct)) == {"all_reduce"}
     out = rt.replicate(_stage_step, num_replicas=2)(w, rt.PerReplica(xs))
     grads = [jax.grad(lambda w, x: _stage_step(w, x)[1])(w, x) for x in xs]
     np.testing.assert_allclose(np.asarray(out[0]), w - 0.1 * (grads[0] + grads[1]) / 2,
@@ -407,3 +412,59 @@ def test_rule_calls_are_replayed_into_the_same_module(monkeypatch, dtype):
     for got, want in zip(new_ws, want_ws):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=tol, atol=tol)
+
+
+def _loss(w, x):
+    h = jnp.tanh(x @ w)
+    return jnp.mean((h - 1.0) ** 2)
+
+
+def _sgd(w, x):
+    return w - 0.1 * jax.grad(_loss)(w, x)
+
+
+def _lines_named(text: str) -> set[int]:
+    """The lines of this file that a module's locations name (``as_text(debug_info=True)``),
+    within ``_loss`` and ``_sgd``."""
+    lines = set()
+    for fn in (_loss, _sgd):
+        src, first = inspect.getsourcelines(fn)
+        span = range(first, first + len(src))
+        lines |= {int(n) for n in re.findall(re.escape(f'"{__file__}"') + r":(\d+):", text)
+                  if int(n) in span}
+    return lines
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_op_names_the_users_lines_as_jit_does(k):
+    """What an op lowers to names the frames of the user's code that made it, as
+    ``jax.jit``'s module does (the traceback the IR kept from the trace: ``Loc.traceback``),
+    so XLA's metadata and profiles point at the user's lines. The ``op[file:line]`` scope
+    that ``hlo_report`` reads a collective's IR op back from is on every op with K > 1
+    (the partitioner may make a collective of any) and only on the collectives with K = 1
+    (they are the only ones there)."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(4, 3)).astype(np.float32)
+    xs = [rng.normal(size=(5, 4)).astype(np.float32) for _ in range(2)]
+    lowered = rt.replicate(_sgd, num_replicas=2, logical_devices=k).lower(w, rt.PerReplica(xs))
+    ours = lowered.as_text(debug_info=True)
+    ref = jax.jit(_sgd).lower(w, xs[0]).as_text(debug_info=True)
+    assert len(_lines_named(ref)) >= 3
+    assert _lines_named(ours) == _lines_named(ref)
+    scoped = set(re.findall(r"(\w+)\[test_lowering\.py:\d+\]", ours))
+    assert "all_reduce" in scoped
+    if k == 1:
+        assert scoped == {"all_reduce"}
+    else:
+        assert {"dot_general", "tanh"} <= scoped
+    # the gradient all-reduce, read back from the compiled program, names its IR op and a
+    # line of the user's step
+    compiled = lowered.compile()
+    grads = [c for c in compiled.collectives() if c.kind == "all-reduce"]
+    assert grads and all(c.ir_sources for c in grads)
+    assert {(op, f) for c in grads for op, f, _ in c.ir_sources} == {("all_reduce", "test_lowering.py")}
+    assert {ln for c in grads for _, _, ln in c.ir_sources} <= _lines_named(ref)
+    grad = jax.jit(jax.grad(_loss))
+    want = w - 0.1 * np.mean([np.asarray(grad(w, x)) for x in xs], axis=0)
+    np.testing.assert_allclose(np.asarray(compiled(w, rt.PerReplica(xs))), want,
+                               rtol=1e-5, atol=1e-6)

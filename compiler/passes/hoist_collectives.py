@@ -48,13 +48,10 @@ from compiler.errors import DivergentCollectiveError
 from compiler.passes.cross_replica_sum import transposed
 from compiler.passes.replication import annotate
 from ir.graph import Graph, Op, RegionMemo, Rewriter, Value
+from ir.ops import COLLECTIVES  # (ops that talk to other replicas over the replica axis)
 from ir.jaxpr_import import REPLICA_AXIS
 from ir.types import Replica
 
-#: ops that talk to other replicas (ours and JAX's own names) when over the replica axis
-COLLECTIVES = frozenset({"all_reduce", "all_gather", "all_to_all", "ppermute", "reduce_scatter",
-                         "psum_scatter", "pbroadcast", "all_gather_invariant", "ragged_all_to_all",
-                         "pgather", "psum", "pmax", "pmin", "psum_invariant"})
 
 #: ops linear in every operand that ``_linear_use`` allows to carry a collective's result
 #: (with ``mul``/``div``/``dot_general``: linear in one operand, the other mirrored)
