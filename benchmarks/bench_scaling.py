@@ -62,6 +62,28 @@ def make_shard_map_step(layers: int, mesh: Mesh):
                                  out_specs=(P(), P("data")), check_vma=False))
 
 
+def lower_side(side: str, layers: int) -> object:
+    """The ``layers``-layer step lowered (not compiled) on up to 8 devices, as ``side``
+    gives it to XLA: ``ours`` (``rt.replicate``), ``sm`` (the step written by hand with
+    ``shard_map`` + ``pmean``) or ``jit`` (``jax.jit``'s global step). For the
+    diagnostics that compare the three (``diag_xla_passes``, ``diag_instructions``)."""
+    n = min(8, len(jax.devices()))
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("data",))
+    params = [(jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32))
+              for _ in range(layers)]
+    xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
+    if side == "ours":
+        x = rt.PerReplica([jax.ShapeDtypeStruct((BATCH // n, D), jnp.float32)] * n)
+        return rt.replicate(make_step(layers), num_replicas=n).lower(params, x, x)
+    if side == "sm":
+        return make_shard_map_step(layers, mesh).lower(params, xg, xg)
+    if side == "jit":
+        d, r = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+        return jax.jit(make_step(layers), in_shardings=(r, d, d),
+                       out_shardings=(r, r)).lower(params, xg, xg)
+    raise ValueError(f"side must be 'ours', 'sm' or 'jit', not {side!r}")
+
+
 def print_row(L, ops, med, total, own, xla_t, rl, rc, paired) -> None:
     """One row of the table (see the module docstring for the columns)."""
     share = own / xla_t

@@ -35,28 +35,9 @@ _PASS = re.compile(r"HLO pass: (\S+) time: \S+ \S+ \((\d+) us\)")
 def child(side: str, layers: int) -> None:
     """Lower the step for ``side``, then compile it once, the log marked where the
     compile starts; prints the compile's wall time on stdout."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from bench_scaling import lower_side
 
-    import runtime as rt
-    from bench_scaling import BATCH, D, make_shard_map_step, make_step
-
-    n = min(8, len(jax.devices()))
-    mesh = Mesh(np.asarray(jax.devices()[:n]), ("data",))
-    params = [(jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32))
-              for _ in range(layers)]
-    xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
-    if side == "ours":
-        x = rt.PerReplica([jax.ShapeDtypeStruct((BATCH // n, D), jnp.float32)] * n)
-        lowered = rt.replicate(make_step(layers), num_replicas=n).lower(params, x, x)
-    elif side == "sm":
-        lowered = make_shard_map_step(layers, mesh).lower(params, xg, xg)
-    else:
-        d, r = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-        lowered = jax.jit(make_step(layers), in_shardings=(r, d, d),
-                          out_shardings=(r, r)).lower(params, xg, xg)
+    lowered = lower_side(side, layers)
     print(_MARK, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     lowered.compile()
