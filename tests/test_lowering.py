@@ -2,7 +2,8 @@
 region becomes one function of the StableHLO module, called from every site, as
 ``jax.jit`` of the user's step does, and two calls share a function only when their
 regions mean exactly the same thing (constants by their bits, ``-0.0`` apart from
-``0.0``). Oracle: ``jax.jit`` of the same per-replica function on each replica's data."""
+``0.0``). Oracle: ``jax.jit`` of the same per-replica function on each replica's data.
+Also the source locations lowering gives every op: the user's frames, as ``jax.jit``'s."""
 from __future__ import annotations
 
 import inspect
@@ -273,9 +274,9 @@ def _stage_step(w, x):
 def test_staged_second_trace_lowers_to_the_module_bind_gives_locations_included(monkeypatch):
     """The second trace stages the ops that re-bind their primitive straight into the
     jaxpr (an equation appended to the frame, ``jc.emit``, else ``jc.stage``), with
-    source info made once per name scope and user's traceback. Oracle: the same step lowered with every op
-    bound through ``jax.named_scope`` + ``Primitive.bind`` gives the same StableHLO, op
-    names and the user's source locations included."""
+    source info made once per name scope and user's traceback. Oracle: the same step
+    lowered with every op bound through ``jax.named_scope`` + ``Primitive.bind`` gives
+    the same StableHLO, op names and the user's source locations included."""
     from ir import _jax_compat as jc
     rng = np.random.default_rng(0)
     w = rng.normal(size=(5, 5)).astype(np.float32)
@@ -462,7 +463,8 @@ def test_every_op_names_the_users_lines_as_jit_does(k):
     compiled = lowered.compile()
     grads = [c for c in compiled.collectives() if c.kind == "all-reduce"]
     assert grads and all(c.ir_sources for c in grads)
-    assert {(op, f) for c in grads for op, f, _ in c.ir_sources} == {("all_reduce", "test_lowering.py")}
+    assert {(op, f) for c in grads for op, f, _ in c.ir_sources} == {
+        ("all_reduce", "test_lowering.py")}
     assert {ln for c in grads for _, _, ln in c.ir_sources} <= _lines_named(ref)
     grad = jax.jit(jax.grad(_loss))
     want = w - 0.1 * np.mean([np.asarray(grad(w, x)) for x in xs], axis=0)
