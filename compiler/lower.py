@@ -430,8 +430,7 @@ class _Stager:
     def source_info(self, op: Op) -> Any:
         ctx = jc.source_info_context()
         scope = _scope(op)
-        loc = op.loc
-        user_tb = None if loc is None else loc.traceback
+        user_tb = _user_traceback(op)
         key = (id(ctx), scope, id(user_tb))
         hit = self.infos.get(key)
         if hit is None:  # (the entry keeps its context and traceback alive: ids not reused)
