@@ -24,6 +24,7 @@ import _common  # noqa: F401  (sets XLA_FLAGS and sys.path before JAX is importe
 
 import statistics  # noqa: E402
 import time  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -62,11 +63,12 @@ def make_shard_map_step(layers: int, mesh: Mesh):
                                  out_specs=(P(), P("data")), check_vma=False))
 
 
-def lower_side(side: str, layers: int) -> object:
-    """The ``layers``-layer step lowered (not compiled) on up to 8 devices, as ``side``
-    gives it to XLA: ``ours`` (``rt.replicate``), ``sm`` (the step written by hand with
-    ``shard_map`` + ``pmean``) or ``jit`` (``jax.jit``'s global step). For the
-    diagnostics that compare the three (``diag_xla_passes``, ``diag_instructions``)."""
+def prepare_side(side: str, layers: int) -> Callable[[], Any]:
+    """The ``layers``-layer step on up to 8 devices as ``side`` gives it to XLA: ``ours``
+    (``rt.replicate``), ``sm`` (the step written by hand with ``shard_map`` + ``pmean``)
+    or ``jit`` (``jax.jit``'s global step), made ready to lower: the function is built
+    and its argument types made here, and the returned call only lowers it (what a
+    benchmark times)."""
     n = min(8, len(jax.devices()))
     mesh = Mesh(np.asarray(jax.devices()[:n]), ("data",))
     params = [(jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32))
@@ -74,14 +76,22 @@ def lower_side(side: str, layers: int) -> object:
     xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
     if side == "ours":
         x = rt.PerReplica([jax.ShapeDtypeStruct((BATCH // n, D), jnp.float32)] * n)
-        return rt.replicate(make_step(layers), num_replicas=n).lower(params, x, x)
+        step = rt.replicate(make_step(layers), num_replicas=n)
+        return lambda: step.lower(params, x, x)
     if side == "sm":
-        return make_shard_map_step(layers, mesh).lower(params, xg, xg)
-    if side == "jit":
+        fn = make_shard_map_step(layers, mesh)
+    elif side == "jit":
         d, r = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-        return jax.jit(make_step(layers), in_shardings=(r, d, d),
-                       out_shardings=(r, r)).lower(params, xg, xg)
-    raise ValueError(f"side must be 'ours', 'sm' or 'jit', not {side!r}")
+        fn = jax.jit(make_step(layers), in_shardings=(r, d, d), out_shardings=(r, r))
+    else:
+        raise ValueError(f"side must be 'ours', 'sm' or 'jit', not {side!r}")
+    return lambda: fn.lower(params, xg, xg)
+
+
+def lower_side(side: str, layers: int) -> Any:
+    """The step lowered (not compiled) as ``side`` gives it (:func:`prepare_side`); for
+    the diagnostics that compare the three (``diag_xla_passes``, ``diag_instructions``)."""
+    return prepare_side(side, layers)()
 
 
 def print_row(L, ops, med, total, own, xla_t, rl, rc, paired) -> None:
@@ -104,8 +114,6 @@ def main() -> None:
     ap.add_argument("--layers", default="2,8,32,128", help="comma-separated layer counts")
     args = ap.parse_args()
     n = min(8, len(jax.devices()))
-    mesh = Mesh(np.asarray(jax.devices()[:n]), ("data",))
-    d, r = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     rows = []
     print(f"jax {jax.__version__}, {n} {jax.devices()[0].platform} devices; medians of {args.reps} cold builds; ms")
     print(f"{'layers':>6} {'IR ops':>7} {'trace':>7} {'import':>7} {'passes':>7} {'retrace':>8} "
@@ -113,10 +121,6 @@ def main() -> None:
           f"{'jit lower':>9} {'jit XLA':>8} | {'lower':>6} {'XLA':>6} {'sm XLA':>6} | "
           f"{'cold ours/jit':>13} {'':>22} | {'ours/sm':>10}")
     for L in [int(v) for v in args.layers.split(",")]:
-        params = [(jax.ShapeDtypeStruct((D, D), jnp.float32), jax.ShapeDtypeStruct((D,), jnp.float32))
-                  for _ in range(L)]
-        x = jax.ShapeDtypeStruct((BATCH // n, D), jnp.float32)
-        xg = jax.ShapeDtypeStruct((BATCH, D), jnp.float32)
         stages: dict[str, list[float]] = {}
         xla, ref_lower, ref_comp, sm_lower, sm_comp, walls, n_ops = [], [], [], [], [], [], 0
 
@@ -124,9 +128,9 @@ def main() -> None:
             """Our lower + compile; the stages' times noted; the IR op count returned.
             The ``Lowered`` (and the IR it keeps) is freed and collected before the other
             side runs (``_common.settle``), so neither side pays for the other's garbage."""
-            step = rt.replicate(make_step(L), num_replicas=n)
+            lower = prepare_side("ours", L)
             t0 = time.perf_counter()
-            lowered = step.lower(params, rt.PerReplica([x] * n), rt.PerReplica([x] * n))
+            lowered = lower()
             walls.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             lowered.compile()
@@ -143,18 +147,18 @@ def main() -> None:
             return sum(1 for _ in lowered.ir().walk())
 
         def jit() -> None:
-            jitted = jax.jit(make_step(L), in_shardings=(r, d, d), out_shardings=(r, r))
+            lower = prepare_side("jit", L)
             t0 = time.perf_counter()
-            jl = jitted.lower(params, xg, xg)
+            jl = lower()
             t1 = time.perf_counter()
             jl.compile()
             ref_lower.append(t1 - t0)
             ref_comp.append(time.perf_counter() - t1)
 
         def sm() -> None:
-            fn = make_shard_map_step(L, mesh)
+            lower = prepare_side("sm", L)
             t0 = time.perf_counter()
-            sl = fn.lower(params, xg, xg)
+            sl = lower()
             t1 = time.perf_counter()
             sl.compile()
             sm_lower.append(t1 - t0)
