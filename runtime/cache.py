@@ -30,10 +30,12 @@ class CacheInfo(NamedTuple):
 
     @property
     def memory_hits(self) -> int:
+        """Calls served by an executable in memory (``hits``)."""
         return self.hits
 
     @property
     def compiles(self) -> int:
+        """Builds that ran XLA's compile: the misses not served from disk."""
         return self.misses - self.disk_hits
 
 

@@ -29,9 +29,14 @@ class Lowered:
 
     @property
     def pass_names(self) -> list[str]:
+        """The stages the step went through, in order: ``import`` (its trace), then each
+        pass of the pipeline."""
         return [name for name, _ in self._program.stage_times()]
 
     def ir(self, after: str | None = None) -> Graph:
+        """The IR after the pass named ``after`` (``"import"`` for the traced step;
+        ``_`` and ``-`` alike), or after the last pass by default. ``KeyError`` naming the
+        passes for an unknown name."""
         recs = self._program.records
         if after is None:
             return recs[-1].graph
@@ -78,6 +83,8 @@ class Lowered:
         return self._program.jax_lowered.as_text(dialect, debug_info=debug_info)
 
     def compile(self) -> Compiled:
+        """XLA's compile of the lowered module (for the target's devices, compile-only
+        ones included): the :class:`Compiled` step."""
         return Compiled(self._program.compile())
 
 
@@ -90,18 +97,27 @@ class Compiled:
 
     @property
     def pass_names(self) -> list[str]:
+        """The stages the step went through, in order: ``import`` (its trace), then each
+        pass of the pipeline."""
         return [name for name, _ in self._program.stage_times()]
 
     def ir(self, after: str | None = None) -> Graph:
+        """The IR after a pass, as :meth:`Lowered.ir` gives it."""
         return Lowered(self._program).ir(after)
 
     def as_text(self) -> str:
+        """The optimized HLO XLA compiled, partitioned per device (what
+        ``collectives()`` and ``hlo_report`` read)."""
         return self._program.jax_compiled.as_text()
 
     def cost_analysis(self) -> Any:
+        """XLA's cost estimates of the executable (flops, bytes accessed, ...), as
+        ``jax.stages.Compiled.cost_analysis`` gives them."""
         return self._program.jax_compiled.cost_analysis()
 
     def memory_analysis(self) -> Any:
+        """XLA's memory sizes of the executable per device (arguments, outputs,
+        temporaries, code), as ``jax.stages.Compiled.memory_analysis`` gives them."""
         return self._program.jax_compiled.memory_analysis()
 
     @property

@@ -69,6 +69,7 @@ class SyncOnRead:
 
     @property
     def num_replicas(self) -> int:
+        """How many replicas' values it holds."""
         return self._n
 
     def read(self) -> Any:

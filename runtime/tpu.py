@@ -198,13 +198,16 @@ class MemoryFit:
 
     @property
     def fits(self) -> bool:
+        """Does the peak per device fit the device's HBM?"""
         return self.peak_bytes <= self.capacity_bytes
 
     @property
     def margin_bytes(self) -> int:
+        """HBM left over at the peak (negative: by how much it does not fit)."""
         return self.capacity_bytes - self.peak_bytes
 
     def to_json(self) -> dict[str, Any]:
+        """The fields and the verdict as a JSON-ready dict (the tools' reports)."""
         return {"device": self.device, "capacity_bytes": self.capacity_bytes,
                 "peak_bytes": self.peak_bytes, "fits": self.fits,
                 "margin_bytes": self.margin_bytes, "argument_bytes": self.argument_bytes,
@@ -339,13 +342,16 @@ class Roofline:
 
     @property
     def estimate_s(self) -> float:
+        """The step's time estimate: its slowest bound (compute, HBM or ICI), seconds."""
         return max(self.compute_s, self.hbm_s, self.ici_s)
 
     @property
     def bound(self) -> str:
+        """What bounds the estimate: ``"compute"``, ``"hbm"`` or ``"ici"``."""
         return max((self.compute_s, "compute"), (self.hbm_s, "hbm"), (self.ici_s, "ici"))[1]
 
     def to_json(self) -> dict[str, Any]:
+        """The estimate and its parts as a JSON-ready dict (the tools' reports)."""
         return {"chip": self.chip, "flops": self.flops, "bytes_accessed": self.bytes_accessed,
                 "compute_s": self.compute_s, "hbm_s": self.hbm_s, "ici_s": self.ici_s,
                 "estimate_s": self.estimate_s, "bound": self.bound,

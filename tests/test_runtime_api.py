@@ -408,3 +408,49 @@ def test_run_options_hash_with_list_and_dict_fields():
     table = {a: "a", c: "c"}
     assert table[b] == "a" and len(table) == 2
     assert hash(rt.RunOptions()) == hash(rt.RunOptions())
+
+
+# -- documentation -------------------------------------------------------------------------
+def _undocumented(module) -> list[str]:
+    """The public names of ``module`` (``__all__``), and the public methods and properties
+    of its classes, whose docstring is empty."""
+    import inspect
+    missing = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if inspect.ismodule(obj):
+            continue
+        if not (obj.__doc__ or "").strip():
+            missing.append(name)
+        if not inspect.isclass(obj):
+            continue
+        for attr, v in vars(obj).items():
+            if attr.startswith("_") or not (callable(v) or isinstance(v, (property, staticmethod,
+                                                                            classmethod))):
+                continue
+            if not (getattr(v, "__doc__", None) or "").strip():
+                missing.append(f"{name}.{attr}")
+    return missing
+
+
+def test_every_public_name_is_documented():
+    """Every name ``runtime`` and ``runtime.tpu`` export, and every public method and
+    property of their classes (``Lowered.ir``, ``Compiled.cost_analysis``,
+    ``CacheInfo.compiles``, ``MemoryFit.fits``, ...), says what it does."""
+    from runtime import tpu
+    assert len(rt.__all__) > 20 and len(tpu.__all__) > 5
+    assert _undocumented(rt) == []
+    assert _undocumented(tpu) == []
+
+
+def test_the_documentation_check_finds_a_missing_docstring():
+    import types
+
+    class Thing:
+        """Documented."""
+
+        def method(self):
+            pass
+
+    mod = types.SimpleNamespace(__all__=["Thing", "f"], Thing=Thing, f=lambda: None)
+    assert _undocumented(mod) == ["Thing.method", "f"]
