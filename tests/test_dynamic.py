@@ -576,6 +576,47 @@ def test_host_put_matches_device_put(dtype):
         np.testing.assert_array_equal(np.asarray(put(y)), y.astype(want.dtype))
 
 
+def test_host_put_leaves_a_one_device_array_to_the_call():
+    """With a sharding of one device ``HostPut`` hands a host array of its shape and dtype
+    back as it is (the executable's own call sends it, which costs less than a put first);
+    any other array still goes to ``jax.device_put``; with two devices it puts."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from ir._jax_compat import HostPut
+    one = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("replica",)), P("replica"))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    put = HostPut(one, x.shape, x.dtype)
+    assert put(x) is x
+    other = put(np.ones((4, 3), np.float32))
+    assert isinstance(other, jax.Array) and other.sharding == one
+    two = NamedSharding(Mesh(np.asarray(jax.devices()[:2]), ("replica",)), P("replica"))
+    got = HostPut(two, x.shape, x.dtype)(x)
+    assert isinstance(got, jax.Array) and got.sharding == two
+    np.testing.assert_array_equal(np.asarray(got), x)
+
+
+def test_one_replica_dynamic_calls_equal_jit():
+    """At one replica the dynamic path hands its host buffers (the padded inputs and the
+    size vector) to the executable's call as they are: every call's results equal
+    ``jax.jit``'s on its real rows, for new, repeated and shrinking sizes and host, device
+    and mixed inputs, read only after all the calls ran (a buffer written after its
+    call was handed it would change an earlier result)."""
+    step = rt.replicate(_mlp_step, num_replicas=1, options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+    calls = []
+    for size, kind in ((5, "host"), (7, "host"), (5, "host"), (16, "device"), (3, "mixed"),
+                       (8, "device"), (1, "host")):
+        x = rng.normal(size=(size, 6)).astype(np.float32)
+        y = rng.normal(size=(size, 3)).astype(np.float32)
+        xa = jnp.asarray(x) if kind in ("device", "mixed") else x
+        ya = jnp.asarray(y) if kind == "device" else y
+        calls.append((step(w, rt.PerReplica([xa]), rt.PerReplica([ya])), x, y))
+    for out, x, y in calls:
+        _check_mlp(out, w, [x], [y])
+    plans = list(step._dynamic.planned.values())
+    assert plans and all(p is None or p._direct for plan in plans for p in plan.puts)
+
+
 def test_concurrent_calls_keep_their_own_sizes(monkeypatch):
     """Threads calling one dynamic step at once, with sizes inside planned buckets, new
     buckets and a plan memo small enough to evict: each call's results are its own
