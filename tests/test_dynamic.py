@@ -482,6 +482,59 @@ def test_padded_update_onto_real_elements_is_a_clear_error():
         step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
 
 
+# -- pad of a padded axis to a size beyond the real one ----------------------------------
+PAD_TO = 16
+PAD_FUNCS = {
+    # what the padded rows would land on: real rows of the result, which hold the pad value
+    "lax_pad_high": lambda x: jax.lax.pad(jnp.exp(x), 0.0, ((0, PAD_TO - x.shape[0], 0), (0, 0, 0)))
+    * jnp.arange(PAD_TO, dtype=jnp.float32)[:, None],
+    "jnp_pad_sum": lambda x: jnp.pad(jnp.exp(x), ((0, PAD_TO - x.shape[0]), (0, 0))).sum(0),
+    "jnp_pad_value_and_low": lambda x: jnp.pad(x, ((3, PAD_TO - x.shape[0]), (1, 0)),
+                                               constant_values=2.5),
+    "traced_pad_value": lambda x: jax.lax.pad(x, x[0, 0] * 2, ((0, PAD_TO - x.shape[0], 0),
+                                                               (0, 0, 0))),
+    # (squared: every row's gradient depends on the rows the pad value fills)
+    "gradient": lambda x: jax.grad(lambda v: jnp.sum(jnp.pad(jnp.tanh(v), (
+        (0, PAD_TO - v.shape[0]), (0, 0)), constant_values=1.0)
+        * jnp.arange(PAD_TO, dtype=jnp.float32)[:, None]) ** 2)(x),
+}
+
+
+@pytest.mark.parametrize("padding", ["zeros", "nan"])
+@pytest.mark.parametrize("name", sorted(PAD_FUNCS))
+def test_pad_of_a_padded_axis_to_a_static_size_equals_jit(monkeypatch, name, padding):
+    """``pad(x, v, (0, 16 - t))`` to a static size puts the pad value from row ``t`` on;
+    the bucket's padding must not land there (it did before: 15.0 off, silently)."""
+    import runtime.dynamic as dyn
+    if padding == "nan":
+        monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    f = PAD_FUNCS[name]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(PAD_TO, None)]))
+    rng = np.random.default_rng(14)
+    xs = [rng.normal(size=(n, 3)).astype(np.float32) for n in (5, 11)]
+    out = step(rt.PerReplica(xs))
+    for v, x in zip(out.values, xs):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("f,config", [
+    # a low end that depends on the size moves the real elements
+    (lambda x: jnp.pad(x, ((PAD_TO - x.shape[0], 0), (0, 0))), r"\(- b \+ 16, 0, 0\)"),
+    # interior padding puts padding between them (static result: the rule's own check)
+    (lambda x: jax.lax.pad(x, 0.0, ((2, PAD_TO - 2 * x.shape[0], 1), (0, 0, 0))),
+     r"\(2, - 2\*b \+ 16, 1\)"),
+])
+def test_pad_that_moves_the_real_elements_is_a_clear_error(f, config):
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(PAD_TO // 2, None)]))
+    with pytest.raises(ValueError, match=rf"padding: pad of padded axis 0 \(dim b\) with "
+                                         rf"padding \(low, high, interior\) = {config}: only "
+                                         rf"the high end may depend on the size.*"
+                                         rf"\(test_dynamic.py:\d+\)"):
+        step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+
+
 def test_undecidable_size_comparison_names_the_line_and_dims():
     f = lambda x: jax.lax.dynamic_slice_in_dim(x, 1, 2, 0)  # noqa: E731
     for ms, dims, hint in [(None, "(b)", "maximum_shapes"), ([(8, None)], "(b<=8)", "dynamic_dims")]:

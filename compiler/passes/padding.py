@@ -21,9 +21,11 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
   real sizes passed in as extra inputs, so the same rules hold inside;
 - ops that cannot be made exact over a padded axis raise :class:`PaddingError` naming the
   op and the user's source line: a ``scan`` stepping along a padded axis, ``rev``,
-  windows and convolutions over padded window dims, collectives of padded values, and ops whose result would mix
-  padded with real positions. Ops not known are allowed only when they keep each
-  padded axis where it was (element-wise); otherwise they are errors, never silent.
+  windows and convolutions over padded window dims, collectives of padded values, and ops
+  whose result would mix padded with real positions. ``pad`` to a size beyond the real
+  one (``jnp.pad(x, ((0, 16 - t),))``) sets the padding to the pad value first, since it
+  would land on real positions. Ops not known are allowed only when they keep each padded
+  axis where it was (element-wise); otherwise they are errors, never silent.
 - call-like ops (``pjit``, ``custom_jvp_call``...) holding padded values are inlined.
 - values computed from the real sizes are ``varying``.
 
@@ -363,6 +365,8 @@ class _Padder:
         if name == "reshape":
             self.check_reshape(op, pads[0])
             return operands
+        if name == "pad":
+            return self.pad(op, pads, operands)
         if name in INDEX_RULES:
             return self.indexed(op, pads, operands)
         if name in STRUCTURAL:
@@ -406,21 +410,52 @@ class _Padder:
         """``x`` rolled along padded ``axis`` so that its ``n`` real elements end the axis
         (``to_end``), or back to its start: ``concatenate`` and ``dynamic_slice`` ops,
         traced from JAX at the bucket's size."""
-        n = self.sizes[sym]
         size = int(x.type.shape[axis])
 
         def fn(v, n):
             start = n if to_end else size - n
             return lax.dynamic_slice_in_dim(lax.concatenate([v, v], axis), start, size, axis)
+        return self.splice(fn, (x, self.sizes[sym]), "roll", op)
 
+    def splice(self, fn: Any, args: tuple[Value, ...], name: str, op: Op) -> Value:
+        """``fn`` of ``args`` (padded values) as ops appended here: traced from JAX at the
+        bucket sizes, imported, each op at ``op``'s location; returns its one result."""
         avals = [jax.ShapeDtypeStruct(tuple(v.type.shape), jc.dtype_from_name(v.type.dtype))
-                 for v in (x, n)]
-        g = import_jaxpr(jc.make_jaxpr_from(fn, avals), "roll")
-        env = dict(zip(g.inputs, (x, n)))
+                 for v in args]
+        g = import_jaxpr(jc.make_jaxpr_from(fn, avals), name)
+        env = dict(zip(g.inputs, args))
         for o in g.ops:
             self.ops.append(o.replace(operands=tuple(env.get(v, v) for v in o.operands),
                                       loc=op.loc))
         return env.get(g.outputs[0], g.outputs[0])
+
+    def pad(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
+        """``lax.pad`` (``jnp.pad``) of a padded axis. When the result keeps the axis's
+        symbol (nothing added), nothing to do. Otherwise the padding would land inside the
+        result (``pad(x, 0, (0, 16 - t))`` to a static 16: the unpadded result holds the
+        pad value from row ``t`` on, the padded one the bucket's padding there), so the
+        padding is first set to the pad value: exact when the elements added before the
+        real ones (``lo``) do not depend on the size and none go between them
+        (``interior`` 0); an error otherwise."""
+        rshape = op.result.type.shape
+        config = op.attr("padding_config")
+        for a, sym in pads[0].items():
+            if _is(rshape[a], sym):
+                continue
+            lo, _, interior = config[a]
+            if _is_dimexpr(lo) or _is_dimexpr(interior) or interior != 0:
+                raise PaddingError(
+                    f"padding: pad of padded axis {a} (dim {sym}) with padding (low, high, "
+                    f"interior) = {tuple(config[a])}: only the high end may depend on the "
+                    f"size, and nothing may go between the elements; keep that axis static "
+                    f"(RunOptions(dynamic_dims=...)) ({_loc(op)})")
+
+            def fill(v, n, value, a=a):
+                idx = lax.broadcasted_iota(np.int32, v.shape, a)
+                return jax.numpy.where(idx < n, v, value)
+            operands[0] = self.splice(fill, (operands[0], self.sizes[sym], operands[1]),
+                                      "pad_fill", op)
+        return operands
 
     def conv(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
         """A convolution over padded dims. Exact: the batch dim of the input (rows never
