@@ -535,6 +535,147 @@ def test_pad_that_moves_the_real_elements_is_a_clear_error(f, config):
         step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
 
 
+# -- slices of a static array as long as a padded dim ---------------------------------------
+TABLE = jnp.arange(64, dtype=jnp.float32).reshape(16, 4)
+_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(0, 1), collapsed_slice_dims=(),
+                                       start_index_map=(0,))
+SIZED_SLICE_FUNCS = {
+    # XLA clamps a start so that the slice fits: one of the bucket's length (8) clamped
+    # where one of the real length did not (start 10, 5 rows of 16), silently, before
+    "dynamic_slice_const": lambda x: x + jax.lax.dynamic_slice_in_dim(TABLE, 10, x.shape[0]),
+    "dynamic_slice_traced": lambda x: x + jax.lax.dynamic_slice_in_dim(
+        TABLE, 9 + (x[0, 0] > -100).astype(jnp.int32), x.shape[0]),
+    "dynamic_slice_negative": lambda x: x + jax.lax.dynamic_slice_in_dim(TABLE, -3, x.shape[0]),
+    "dynamic_slice_past_the_end": lambda x: x + jax.lax.dynamic_slice_in_dim(TABLE, 20, x.shape[0]),
+    "gather_clip": lambda x: x + jax.lax.gather(TABLE, jnp.array([12]), _ROWS, (x.shape[0], 4),
+                                                mode="clip"),
+    # fill: out of range for the real length (13 + 5 > 16), in range for 13 + 3
+    "gather_fill": lambda x: x + jax.lax.gather(TABLE, jnp.array([13]), _ROWS, (x.shape[0], 4),
+                                                mode="fill", fill_value=-1.0),
+    "prefix": lambda x: x + TABLE[:x.shape[0]],  # start 0: fits the bucket, left as is
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZED_SLICE_FUNCS))
+def test_slices_as_long_as_a_padded_dim_equal_jit(monkeypatch, name):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    f = SIZED_SLICE_FUNCS[name]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(8, None)]))
+    rng = np.random.default_rng(15)
+    xs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (5, 3)]
+    out = step(rt.PerReplica(xs))
+    for v, x in zip(out.values, xs):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+
+
+# -- gradient all-reduces of values with a padded dim: summed where the dims are static ------
+def _position_loss(p, x):
+    """A learned position embedding over a sequence axis whose length differs between
+    replicas (x: [batch, t, 4]): the gradient of ``pe`` has each replica's own length, and
+    only the table's gradient, scattered from it, can be summed over the replicas."""
+    pe = jnp.take(p["wpe"], jnp.arange(x.shape[1]), axis=0)
+    return jnp.mean(jnp.tanh((x + pe) @ p["w"]) ** 2)
+
+
+def _position_step(p, x):
+    loss, g = jax.value_and_grad(_position_loss)(p, x)
+    return jax.tree.map(lambda a, b: a - 0.5 * b, p, g), loss
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_position_embedding_gradient_over_ragged_lengths_equals_jit(monkeypatch, n):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    rng = np.random.default_rng(16)
+    p = {"wpe": rng.normal(size=(16, 4)).astype(np.float32),
+         "w": rng.normal(size=(4, 4)).astype(np.float32)}
+    step = rt.replicate(_position_step, num_replicas=n, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: (1,)}, maximum_shapes=[None, (None, 16, None)]))
+    for lengths in [(5, 11, 2, 16)[:n], (7, 3, 9, 1)[:n]]:
+        xs = [rng.normal(size=(3, t, 4)).astype(np.float32) for t in lengths]
+        new, loss = step(p, rt.PerReplica(xs))
+        ref = [jax.jit(jax.value_and_grad(_position_loss))(p, x) for x in xs]
+        for k in p:
+            want = p[k] - 0.5 * np.mean([g[k] for _, g in ref], axis=0)
+            np.testing.assert_allclose(new[k], want, rtol=1e-5, atol=1e-6, err_msg=k)
+        losses = loss.values if isinstance(loss, rt.PerReplica) else [loss]
+        np.testing.assert_allclose([float(v) for v in losses], [float(l) for l, _ in ref],
+                                   rtol=1e-5)
+
+
+def test_golden_deferred_gradient_all_reduce():
+    """The embedding's gradient all-reduce runs on the table's static gradient after the
+    scatter (f32[8,2]), not on the padded per-position one."""
+    def step(wpe, x):
+        return jax.grad(lambda e: jnp.sum(jnp.tanh(x + jnp.take(e, jnp.arange(x.shape[0]),
+                                                                axis=0))))(wpe)
+    step = rt.replicate(step, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: (0,)}, maximum_shapes=[None, (8, None)]))
+    lowered = step.lower(np.ones((8, 2), np.float32),
+                         rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+    text = _check_golden("padding_deferred_all_reduce.txt", lowered, ("cross-replica-sum",
+                                                                      "padding"))
+    before, after = text.split("// padding")
+    assert "f32[b<=8,2] mirrored = all_reduce(" in before
+    assert "f32[8,2] mirrored = all_reduce(" in after and "f32[8,2] varying = scatter-add" in after
+
+
+def _grad_of_position(p, x):
+    """The gradient with respect to a mirrored value with a padded dim: all-reduced (the
+    mean over replicas), so it can only be used linearly until its dims are static."""
+    return jax.grad(lambda e: jnp.sum(jnp.tanh(x + e)))(jnp.take(p, jnp.arange(x.shape[0]),
+                                                                 axis=0))
+
+
+@pytest.mark.parametrize("f,why", [
+    (lambda p, x: jnp.sum(_grad_of_position(p, x) ** 2),
+     r"integer_pow at test_dynamic.py:\d+ is not known to be linear in it"),
+    (lambda p, x: jnp.sum(_grad_of_position(p, x) * x),
+     r"mul at test_dynamic.py:\d+ combines it with a value that differs between replicas"),
+    (_grad_of_position, r"the value is a result of the step before its dims are static"),
+])
+def test_deferred_gradient_all_reduce_used_otherwise_is_a_clear_error(f, why):
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: (0,)}, maximum_shapes=[None, (8, None)]))
+    with pytest.raises(ValueError, match=r"padding: the gradient all-reduce at test_dynamic.py:"
+                                         r"\d+ \[transpose\(jvp\(\)\)\] sums a value .*" + why):
+        step(np.ones((8, 4), np.float32),
+             rt.PerReplica([np.ones((5, 4), np.float32), np.ones((3, 4), np.float32)]))
+
+
+def test_deferred_gradient_all_reduce_leaving_a_region_is_a_clear_error():
+    """Checkpointed so that the region's output is the position gradient itself (the
+    scatter into the table is outside it): refused where the region ends (an obscure
+    TypeError in lowering, without that check)."""
+    def f(p, x):
+        def inner(pe, x):
+            return jnp.tanh((x + pe) @ p["w"])
+        return jax.grad(lambda p: jnp.mean(jax.checkpoint(inner)(
+            jnp.take(p["wpe"], jnp.arange(x.shape[1]), axis=0), x) ** 2))(p)
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: (1,)}, maximum_shapes=[None, (None, 8, None)]))
+    p = {"wpe": np.ones((8, 4), np.float32), "w": np.ones((4, 4), np.float32)}
+    with pytest.raises(ValueError, match=r"the gradient all-reduce at test_dynamic.py:\d+ sums a "
+                                         r"value of type f32\[d1<=8,4\] mirrored.*leaves the "
+                                         r"region of a cond, while, scan or checkpoint"):
+        step(p, rt.PerReplica([np.ones((2, 5, 4), np.float32), np.ones((2, 3, 4), np.float32)]))
+
+
+def test_deferred_gradient_all_reduce_used_linearly_is_exact():
+    """Scaled and summed (linear) before its dims are static: the mean over replicas of
+    each replica's own sum."""
+    f = lambda p, x: jnp.sum(_grad_of_position(p, x) * 2.0)  # noqa: E731
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: (0,)}, maximum_shapes=[None, (8, None)]))
+    rng = np.random.default_rng(17)
+    p = rng.normal(size=(8, 4)).astype(np.float32)
+    xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in (5, 3)]
+    want = np.mean([jax.jit(f)(p, x) for x in xs])
+    np.testing.assert_allclose(step(p, rt.PerReplica(xs)), want, rtol=1e-5)
+
+
 def test_undecidable_size_comparison_names_the_line_and_dims():
     f = lambda x: jax.lax.dynamic_slice_in_dim(x, 1, 2, 0)  # noqa: E731
     for ms, dims, hint in [(None, "(b)", "maximum_shapes"), ([(8, None)], "(b<=8)", "dynamic_dims")]:

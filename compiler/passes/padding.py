@@ -26,6 +26,12 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
   one (``jnp.pad(x, ((0, 16 - t),))``) sets the padding to the pad value first, since it
   would land on real positions. Ops not known are allowed only when they keep each padded
   axis where it was (element-wise); otherwise they are errors, never silent.
+- a gradient all-reduce (sum) of a value with a padded dim, whose real size differs
+  between replicas (the gradient of a position embedding ``wpe[arange(t)]``), is moved
+  through linear ops to where the dims are static and summed there (``_Padder.deferred``);
+  other uses before that point are errors naming both lines. A ``dynamic_slice`` or
+  ``gather`` as long as a padded dim from a static axis has its start clamped against
+  the real length (``_Padder.sized_slice``).
 - call-like ops (``pjit``, ``custom_jvp_call``...) holding padded values are inlined.
 - values computed from the real sizes are ``varying``.
 
@@ -102,6 +108,50 @@ def _loc(op: Op) -> str:
     return str(op.loc) if op.loc is not None else "unknown location"
 
 
+#: ops linear in all their operands together (every one must hold an addend)
+_LINEAR_ALL = frozenset({"add", "add_any", "sub"})
+#: ops linear in their first operand, the others (indices, starts) not addends
+_LINEAR_FIRST = frozenset({"neg", "reshape", "transpose", "squeeze", "expand_dims",
+                           "broadcast_in_dim", "reduce_sum", "copy", "copy_p", "slice",
+                           "cast_varying", "real", "imag", "conj", "gather",
+                           "dynamic_slice"})
+
+
+def _constant(v: Value, producers: dict[Value, Op]) -> np.ndarray | None:
+    """``v``'s value when it is a constant (broadcast, reshaped or converted), else
+    ``None``."""
+    op = producers.get(v)
+    if op is None:
+        return None
+    if op.name == "constant":
+        value = np.asarray(op.attr("value"))
+        shape = tuple(v.type.shape)
+        if value.shape != shape and value.size == 1 and all(isinstance(d, int) for d in shape):
+            value = np.broadcast_to(value.reshape(()), shape)
+        return value
+    if op.name in ("broadcast_in_dim", "convert_element_type", "reshape") and \
+            all(isinstance(d, int) for d in v.type.shape):
+        inner = _constant(op.operands[0], producers)
+        if inner is None:
+            return None
+        if op.name == "convert_element_type":
+            return inner.astype(jc.dtype_from_name(v.type.dtype))
+        if op.name == "reshape":
+            return inner.reshape(tuple(v.type.shape))
+        dims = op.attr("broadcast_dimensions")
+        shape = tuple(v.type.shape)
+        expanded = inner.reshape([inner.shape[dims.index(k)] if k in dims else 1
+                                  for k in range(len(shape))])
+        return np.broadcast_to(expanded, shape)
+    return None
+
+
+def _is_zero(v: Value, producers: dict[Value, Op]) -> bool:
+    """Is ``v`` a constant zero (broadcast or not)?"""
+    value = _constant(v, producers)
+    return value is not None and value.size > 0 and not np.any(value)
+
+
 _is_dimexpr = jc.is_symbolic_dim
 
 
@@ -154,6 +204,10 @@ class _Padder:
         self.env: dict[Value, Value] = {}
         self.sizes: dict[str, Value] = {}
         self.ops: list[Op] = []
+        #: values (of the graph being padded) that hold this replica's addend of a gradient
+        #: all-reduce deferred until its dims are static, with that all-reduce (``deferred``)
+        self.partial: dict[Value, Op] = {}
+        self.producers: dict[Value, Op] = {}  # (of the graph being padded, regions walked)
 
     # -- types -----------------------------------------------------------------------
     def padded_axes(self, t: TensorType, op: Op) -> dict[int, str]:
@@ -189,6 +243,7 @@ class _Padder:
         for sym, i in self.size_inputs.items():
             self.sizes[sym] = inputs[i]
         self.walk(graph.ops)
+        self.check_no_partial(graph.outputs, "is a result of the step")
         outputs = tuple(self.env[v] for v in graph.outputs)
         g = Graph(inputs, tuple(self.ops), outputs, graph.name)
         from compiler.passes.replication import annotate
@@ -201,11 +256,22 @@ class _Padder:
                 region = op.regions[0]
                 for rv, ov in zip(region.inputs, op.operands):
                     self.env[rv] = self.env[ov]
+                    if ov in self.partial:
+                        self.partial[rv] = self.partial[ov]
                 self.walk(region.ops)
                 for res, rv in zip(op.results, region.outputs):
                     self.env[res] = self.env[rv]
+                    if rv in self.partial:
+                        self.partial[res] = self.partial[rv]
                 continue
-            self.visit(op)
+            for r in op.results:
+                self.producers[r] = op
+            if not self.deferred(op):
+                partial = [self.partial.get(v) for v in op.operands]
+                if any(partial):
+                    self.visit_partial(op, partial)
+                else:
+                    self.visit(op)
 
     def mask(self, x: Value, axis: int, sym: str, fill: str, op: Op) -> Value:
         m = Value(TensorType(x.type.shape, x.type.dtype, Replica.VARYING, x.type.sharding,
@@ -213,6 +279,85 @@ class _Padder:
         self.ops.append(Op("pad_mask", (x, self.sizes[sym]), (m,),
                            (("axis", axis), ("fill", fill)), op.loc))
         return m
+
+    # -- gradient all-reduces of padded values: deferred to where the dims are static -----
+    def deferred(self, op: Op) -> bool:
+        """A gradient all-reduce (a sum the backward pass made) of a value with a padded
+        dim is not run there: each replica's own value has its own real size, so there is
+        no elementwise sum to take (the gradient of a position embedding ``wpe[arange(t)]``
+        whose length varies between replicas). Its result stands for the replica's addend
+        (:attr:`partial`) until linear ops have made the dims static (the embedding's
+        gradient, scattered into the table), where :meth:`visit_partial` sums it: by
+        linearity sum_r f_r(x_r) is the derivative of the global program, f_r being the
+        replica's own (padded: masked) linear map. Anything else is refused there."""
+        if op.name != "all_reduce" or op.attr("reduce") != "sum" or not op.attr("gradient") \
+                or len(op.operands) != 1 or not _has_sym(op.operands[0].type) \
+                or op.operands[0] in self.partial:
+            return False
+        self.padded_axes(op.operands[0].type, op)  # (a dim expression: its own error)
+        self.env[op.result] = self.env[op.operands[0]]
+        self.partial[op.result] = op
+        return True
+
+    def visit_partial(self, op: Op, partial: list[Op | None]) -> None:
+        """``op`` reading the addend of a deferred all-reduce (:meth:`deferred`): allowed
+        when linear in it with its other operands mirrored; its results carry the addend
+        on, or, once static, are summed over the replicas (the all-reduce, moved here)."""
+        src = next(p for p in partial if p is not None)
+        why = self.nonlinear(op, [p is not None for p in partial])
+        if why:
+            dims = sorted(set(d.name for v, p in zip(op.operands, partial) if p
+                              for d in v.type.shape if isinstance(d, SymDim)))
+            raise PaddingError(
+                f"padding: the gradient all-reduce at {_loc(src)} sums a value with a padded "
+                f"(dynamic) dim {dims}, whose size differs between replicas; it is moved to "
+                f"where the dims are static, through linear ops only, but {op.name} at "
+                f"{_loc(op)} {why}; keep that dim static (RunOptions(dynamic_dims=...))")
+        self.visit(op)
+        for r in op.results:
+            if _has_sym(r.type):
+                self.partial[r] = src
+                continue
+            t = self.env[r].type
+            res = Value(TensorType(t.shape, t.dtype, Replica.MIRRORED, t.sharding, t.weak_type))
+            self.ops.append(Op("all_reduce", (self.env[r],), (res,), src.attrs, src.loc))
+            self.env[r] = res
+
+    def nonlinear(self, op: Op, partial: list[bool]) -> str | None:
+        """Why ``op`` is not linear in its ``partial`` operands with the others mirrored
+        (so that it cannot carry a deferred sum), or ``None``."""
+        others = [v for v, p in zip(op.operands, partial) if not p]
+        if any(v.type.replica is not Replica.MIRRORED for v in others):
+            return "combines it with a value that differs between replicas"
+        name = op.name
+        if op.regions and name not in SCATTERS:
+            return "runs a region over it"
+        if name in _LINEAR_ALL:
+            return None if all(partial) else "adds it to a value that is no addend"
+        if name in _LINEAR_FIRST:
+            return None if partial[0] and not any(partial[1:]) else "is not linear in it"
+        if name in ("mul", "dot_general"):
+            return None if sum(partial) == 1 else "multiplies two addends"
+        if name == "div":
+            return None if partial == [True, False] else "divides by it"
+        if name == "convert_element_type":
+            kind = np.dtype(jc.dtype_from_name(op.result.type.dtype)).kind
+            return None if kind in "fc" else "converts it to an integer type"
+        if name == "scatter-add":
+            zero = partial[0] or _is_zero(op.operands[0], self.producers)
+            return None if partial[2] and not partial[1] and zero else \
+                "scatters it onto a value that is not zero"
+        return "is not known to be linear in it"
+
+    def check_no_partial(self, values: tuple[Value, ...], where: str) -> None:
+        for v in values:
+            src = self.partial.get(v)
+            if src is not None:
+                raise PaddingError(
+                    f"padding: the gradient all-reduce at {_loc(src)} sums a value of type "
+                    f"{v.type}, whose padded (dynamic) dim differs between replicas, and the "
+                    f"value {where} before its dims are static; keep that dim static "
+                    f"(RunOptions(dynamic_dims=...))")
 
     def visit(self, op: Op) -> None:
         pads = [self.padded_axes(v.type, op) for v in op.operands]
@@ -238,6 +383,8 @@ class _Padder:
             return
         if op.name == "shard" and pads[0]:
             self.check_split(op, pads[0])
+        if op.name in ("dynamic_slice", "gather") and _has_sym(op.result.type):
+            operands = self.sized_slice(op, pads, operands)
         if any_pad and op.name in DENY:
             raise PaddingError(
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
@@ -309,6 +456,8 @@ class _Padder:
         sub.sizes = dict(zip(syms, size_in))
         ins = [sub.new(v) for v in g.inputs]
         sub.walk(g.ops)
+        sub.check_no_partial(g.outputs, "leaves the region of a cond, while, scan or "
+                                        "checkpoint")
         outs = tuple(sub.env[v] for v in g.outputs)
         return Graph(tuple(ins[:at] + size_in + ins[at:]), tuple(sub.ops), outs, g.name)
 
@@ -611,6 +760,57 @@ class _Padder:
             past = int(operands[0].type.shape[a0])
             for a, sym in rows.items():
                 operands[1] = self.mask(operands[1], a, sym, str(past), op)
+        return operands
+
+    def sized_slice(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
+        """A ``dynamic_slice``/``gather`` whose slice is as long as a padded dim along an
+        axis of its operand that is not padded (``dynamic_slice(table, i, t)``): XLA
+        clamps the start so that the slice fits, and a slice of the bucket's length
+        clamps where one of the real length would not (start 10, real length 5, bucket 8
+        of a 16-row table: rows 8.. instead of 10..). So the start is clamped (or, in
+        ``fill`` mode, sent out of range) against the real length, and the operand padded
+        by a bucket along that axis so that XLA's own clamp never moves it; skipped when
+        the start is a constant that fits the bucket (``wpe[:t]``, start 0)."""
+        x_pad = pads[0] if pads else {}
+        sizes = op.attr("slice_sizes")
+        if op.name == "dynamic_slice":
+            axes = [(a, 1 + a) for a in range(len(sizes))]
+            mode = "clip"
+        else:
+            dn = _live(op, "dimension_numbers")
+            axes = [(a, j) for j, a in enumerate(dn.start_index_map)]
+            mode = None
+        dims = op.operands[0].type.shape
+        for a, where in axes:
+            size = sizes[a]
+            if not _is_dimexpr(size) or a in x_pad or str(size) not in self.buckets:
+                continue
+            sym, dim, bucket = str(size), int(dims[a]), self.buckets[str(size)]
+            if op.name == "gather":
+                mode = self.index_mode(op, getattr(_live(op, "mode"), "name", None), a, sym)
+            start = op.operands[where] if op.name == "dynamic_slice" else op.operands[1]
+            known = _constant(start, self.producers)
+            if known is not None:
+                c = known if op.name == "dynamic_slice" else known[..., where]
+                if c.size and c.min() >= 0 and c.max() + bucket <= dim:
+                    continue  # (the slice fits: nothing to clamp)
+
+            def fix(i, n, j=(None if op.name == "dynamic_slice" else where)):
+                c = i if j is None else i[..., j]
+                hi = (dim - n).astype(c.dtype)
+                if mode == "clip":
+                    new = jax.numpy.clip(c, 0, hi).astype(c.dtype)
+                else:
+                    new = jax.numpy.where((c < 0) | (c > hi), jax.numpy.asarray(dim + bucket, c.dtype), c)
+                return new if j is None else i.at[..., j].set(new)
+            k = where if op.name == "dynamic_slice" else 1
+            operands[k] = self.splice(fix, (operands[k], self.sizes[sym]), "sized_slice", op)
+            config = [(0, 0, 0)] * len(dims)
+            config[a] = (0, bucket, 0)
+
+            def grow(x, config=tuple(config)):
+                return lax.pad(x, jax.numpy.zeros((), x.dtype), config)
+            operands[0] = self.splice(grow, (operands[0],), "sized_slice", op)
         return operands
 
     def index_mode(self, op: Op, mode: str | None, axis: int, sym: str) -> str:

@@ -13,7 +13,9 @@ data-parallel one (DDP there, ``pmap`` here): per-replica dropout keys, ``lax.pm
 the gradients and the loss. Sizes: block 8, vocab 32, 1 layer, 2 heads, 16 wide.
 
 Dropout is drawn per replica, so there is no global-batch oracle: replicate must equal
-pmap.
+pmap. ``test_nanogpt_bucketed_sequence_lengths``: the step written for one replica, with
+dynamic shapes over the sequence axis and a different length on every replica (block 16,
+2 layers), against ``jax.jit`` on each replica's exact batch.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import pytest
 from flax import linen as nn
 from flax.training import train_state
 
+import runtime as rt
 from tests.clients._harness import REPLICAS, Each, Port, Split, check_port, make_keys
 
 GLOBAL_BATCH = 8
@@ -197,3 +200,53 @@ def test_nanogpt(n):
     port = Port(step=train_step, state=(state,),
                 inputs=lambda i: ((Split(batches[i]), Each(keys)), {}))
     check_port(port, n, oracle=False)
+
+
+# -- bucketed sequence lengths: train.py's step written for one replica (no pmean), each
+# replica's batch a different length (rt.replicate pads it to a bucket) -----------------
+def single_replica_step(state, batch):
+    """The step as one replica sees it: no collective; replicate averages the gradients.
+    Dropout off (``dropout=0.0``): the reference below has no per-replica keys."""
+    def loss_fn(params):
+        return state.apply_fn({"params": params}, batch["x"], batch["y"], train=True)[1]
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_nanogpt_bucketed_sequence_lengths(n):
+    """The learned position embedding ``wpe(arange(t))`` with ``t`` differing between
+    replicas: its gradient is each replica's own length until it is scattered into the
+    table, where replicate sums it (padding refused it before). Every step equals the
+    mean over replicas of ``jax.jit``'s gradients on each replica's exact batch."""
+    from tests.clients._harness import _strong
+    cfg = GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16,
+                    dropout=0.0, bias=True)
+    model = GPT(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(1337),
+                                 jnp.zeros((1, cfg.block_size), jnp.int32))["params"]
+    tx = configure_optimizers(params, weight_decay=1e-1, learning_rate=get_lr_schedule(),
+                              betas=(0.9, 0.95))
+    state = jax.tree.map(_strong, train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx))
+    step = rt.replicate(single_replica_step, num_replicas=n, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: (1,)},
+        maximum_shapes=[None, {"x": (None, cfg.block_size), "y": (None, cfg.block_size)}]))
+    grads_of = jax.jit(lambda st, b: jax.value_and_grad(
+        lambda p: st.apply_fn({"params": p}, b["x"], b["y"], train=True)[1])(st.params))
+    rng = np.random.default_rng(3)
+    ours = ref = state
+    for lengths in ([14, 11, 5, 16][:n], [10, 6, 3, 12][:n], [7, 3, 9, 4][:n]):
+        # (y = -1 marks ignored targets, as train.py's ignore_index)
+        batches = [{"x": rng.integers(0, cfg.vocab_size, (4, t)).astype(np.int32),
+                    "y": rng.integers(-1, cfg.vocab_size, (4, t)).astype(np.int32)}
+                   for t in lengths]
+        ours, loss = step(ours, rt.PerReplica(batches))
+        per = [grads_of(ref, b) for b in batches]
+        ref = ref.apply_gradients(grads=jax.tree.map(lambda *g: sum(g) / n, *[g for _, g in per]))
+        np.testing.assert_allclose([float(v) for v in loss.values], [float(l) for l, _ in per],
+                                   rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ours.params)[0],
+                            jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
