@@ -676,6 +676,47 @@ def test_deferred_gradient_all_reduce_used_linearly_is_exact():
     np.testing.assert_allclose(step(p, rt.PerReplica(xs)), want, rtol=1e-5)
 
 
+# -- two dynamic dims (batch and sequence) ---------------------------------------------------
+def _causal_attention(x):
+    s = jnp.einsum("btd,bsd->bts", x, x)
+    s = jnp.where(jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool)), s, -jnp.inf)
+    return jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, -1), x)
+
+
+FUNCS_2D = {
+    "causal_attention": _causal_attention,
+    # its gradient reshapes [b, t] -> [b, t, 1]: a padded dim before the other (an
+    # internal TypeError before)
+    "causal_attention_gradient": lambda x: jax.grad(
+        lambda v: jnp.sum(_causal_attention(v) ** 2) / v.shape[0])(x),
+    "mean_over_both": lambda x: jnp.mean(jnp.tanh(x), (0, 1)),
+    "cumsum_over_t": lambda x: jnp.cumsum(x, 1)[:, -1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCS_2D))
+def test_two_dynamic_dims_equal_jit(monkeypatch, name):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    f = FUNCS_2D[name]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={0: (0, 1)}))
+    rng = np.random.default_rng(18)
+    xs = [rng.normal(size=s).astype(np.float32) for s in [(3, 5, 4), (2, 7, 4)]]
+    out = step(rt.PerReplica(xs))
+    vals = out.values if isinstance(out, rt.PerReplica) else [out] * 2
+    for v, x in zip(vals, xs):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_reshape_that_swaps_two_dynamic_dims_is_a_clear_error():
+    step = rt.replicate(lambda x: x.reshape(x.shape[1], x.shape[0], 4).sum(0), num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True, dynamic_dims={0: (0, 1)}))
+    with pytest.raises(ValueError, match=r"padding: reshape f32\[b,d1,4\] varying -> "
+                                         r"f32\[d1,b,4\] varying moves the padded axis"):
+        step(rt.PerReplica([np.ones((3, 5, 4), np.float32), np.ones((2, 7, 4), np.float32)]))
+
+
 def test_undecidable_size_comparison_names_the_line_and_dims():
     f = lambda x: jax.lax.dynamic_slice_in_dim(x, 1, 2, 0)  # noqa: E731
     for ms, dims, hint in [(None, "(b)", "maximum_shapes"), ([(8, None)], "(b<=8)", "dynamic_dims")]:

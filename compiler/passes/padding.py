@@ -682,13 +682,18 @@ class _Padder:
                     f"{t}) ({_loc(op)})")
 
     def check_reshape(self, op: Op, pads: dict[int, str]) -> None:
+        """A reshape keeps each padded axis whole and where it was: the dims before it
+        multiply to the same size on both sides (a padded dim there on both sides too:
+        ``[b, t] -> [b, t, 1]`` with two dynamic dims)."""
         src, dst = op.operands[0].type.shape, op.result.type.shape
+
+        def prefix(dims: tuple) -> tuple[int, list[str]]:
+            static = [d for d in dims if not isinstance(d, SymDim)]
+            return (int(np.prod(static, dtype=np.int64)),
+                    sorted(d.name for d in dims if isinstance(d, SymDim)))
         for a, sym in pads.items():
             j = next((i for i, d in enumerate(dst) if _is(d, sym)), None)
-            pre_s = int(np.prod([d for d in src[:a]], dtype=np.int64)) if a else 1
-            pre_d = int(np.prod([d for d in dst[:j]], dtype=np.int64)) if j else 1
-            if j is None or any(isinstance(d, SymDim) for d in src[:a] + dst[:j or 0]) \
-                    or pre_s != pre_d:
+            if j is None or prefix(src[:a]) != prefix(dst[:j]):
                 raise PaddingError(f"padding: reshape {op.operands[0].type} -> "
                                    f"{op.result.type} moves the padded axis {a} (dim {sym}) "
                                    f"({_loc(op)})")
