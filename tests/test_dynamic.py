@@ -605,6 +605,68 @@ def test_position_embedding_gradient_over_ragged_lengths_equals_jit(monkeypatch,
                                    rtol=1e-5)
 
 
+def _prefix_loss(p, x):
+    """The other way to write it: the table's first ``t`` rows (``wpe[:t]``), whose
+    gradient adds a window of the position gradient into the table."""
+    return jnp.mean(jnp.tanh((x + p["wpe"][:x.shape[1]]) @ p["w"]) ** 2)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_position_prefix_gradient_over_ragged_lengths_equals_jit(monkeypatch, n):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    rng = np.random.default_rng(19)
+    p = {"wpe": rng.normal(size=(16, 4)).astype(np.float32),
+         "w": rng.normal(size=(4, 4)).astype(np.float32)}
+    step = rt.replicate(lambda p, x: jax.grad(_prefix_loss)(p, x), num_replicas=n,
+                        options=rt.RunOptions(dynamic_shapes=True, dynamic_dims={1: (1,)},
+                                              maximum_shapes=[None, (None, 16, None)]))
+    xs = [rng.normal(size=(3, t, 4)).astype(np.float32) for t in (5, 11)[:n]]
+    g = step(p, rt.PerReplica(xs))
+    ref = [jax.jit(jax.grad(_prefix_loss))(p, x) for x in xs]
+    for k in p:
+        np.testing.assert_allclose(g[k], np.mean([r[k] for r in ref], 0), rtol=1e-5,
+                                   atol=1e-6, err_msg=k)
+
+
+_WINDOW = jax.lax.ScatterDimensionNumbers(update_window_dims=(0, 1), inserted_window_dims=(),
+                                          scatter_dims_to_operand_dims=(0,))
+WINDOW_SCATTERS = {
+    "add": lambda x: jax.lax.scatter_add(jnp.ones((16, 4)), jnp.array([2]), x, _WINDOW),
+    "mul": lambda x: jax.lax.scatter_mul(jnp.full((16, 4), 2.0), jnp.array([2]), x, _WINDOW),
+    "max": lambda x: jax.lax.scatter_max(jnp.zeros((16, 4)), jnp.array([2]), x, _WINDOW),
+    "min": lambda x: jax.lax.scatter_min(jnp.zeros((16, 4)), jnp.array([2]), x, _WINDOW),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_SCATTERS))
+def test_scatter_of_a_padded_window_onto_a_static_axis_equals_jit(monkeypatch, name):
+    """The window's padding lands on real elements, masked to the combiner's identity;
+    the window starts at a constant (2) from which the bucket (8) fits the 16 rows."""
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    f = WINDOW_SCATTERS[name]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(8, None)]))
+    rng = np.random.default_rng(20)
+    xs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (5, 3)]
+    out = step(rt.PerReplica(xs))
+    for v, x in zip(out.values, xs):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+
+
+def test_scatter_of_a_padded_window_that_may_not_fit_is_a_clear_error():
+    """From row 12 a window of the bucket's 8 rows leaves the 16: XLA would skip it where
+    a real window of 3 fits, so it is refused."""
+    f = lambda x: jax.lax.scatter_add(jnp.ones((16, 4)), jnp.array([12]), x, _WINDOW)  # noqa: E731
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(8, None)]))
+    with pytest.raises(ValueError, match=r"scatter-add writes an update of type f32\[b<=8,4\] "
+                                         r"varying whose padded axis 0 \(dim b\) lands on axis 0 "
+                                         r"of f32\[16,4\] mirrored"):
+        step(rt.PerReplica([np.ones((5, 4), np.float32), np.ones((3, 4), np.float32)]))
+
+
 def test_golden_deferred_gradient_all_reduce():
     """The embedding's gradient all-reduce runs on the table's static gradient after the
     scatter (f32[8,2]), not on the padded per-position one."""

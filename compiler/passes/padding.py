@@ -44,7 +44,9 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
   sent past the bucket, so XLA drops the update as it would unpadded). Scatter update
   rows that are padding are dropped the same way (their indices masked past the bucket;
   an error in ``clip`` mode, which cannot drop); an update whose padded axis would land on
-  real positions is an error.
+  real positions is an error, unless the scatter combines (add, mul, min, max) and its
+  window starts at a constant from which the bucket fits: the padding is then masked to
+  the combiner's identity (the gradient of ``wpe[:t]``, ``x.at[:t].add(u)``).
 
 Padding is at the end of each padded axis, so slices that keep the whole axis and
 cumulative ops are exact as they are.
@@ -108,6 +110,9 @@ def _loc(op: Op) -> str:
     return str(op.loc) if op.loc is not None else "unknown location"
 
 
+#: the identity of each combining scatter (what a masked update element adds nothing with)
+_SCATTER_IDENTITY = {"scatter-add": "0", "scatter-sub": "0", "scatter-mul": "1",
+                     "scatter-min": "+inf", "scatter-max": "-inf"}
 #: ops linear in all their operands together (every one must hold an addend)
 _LINEAR_ALL = frozenset({"add", "add_any", "sub"})
 #: ops linear in their first operand, the others (indices, starts) not addends
@@ -118,8 +123,8 @@ _LINEAR_FIRST = frozenset({"neg", "reshape", "transpose", "squeeze", "expand_dim
 
 
 def _constant(v: Value, producers: dict[Value, Op]) -> np.ndarray | None:
-    """``v``'s value when it is a constant (broadcast, reshaped or converted), else
-    ``None``."""
+    """``v``'s value when it is a constant (broadcast, reshaped, converted or cast to
+    varying), else ``None``."""
     op = producers.get(v)
     if op is None:
         return None
@@ -129,6 +134,8 @@ def _constant(v: Value, producers: dict[Value, Op]) -> np.ndarray | None:
         if value.shape != shape and value.size == 1 and all(isinstance(d, int) for d in shape):
             value = np.broadcast_to(value.reshape(()), shape)
         return value
+    if op.name in ("cast_varying", "copy", "copy_p") and len(op.operands) == 1:
+        return _constant(op.operands[0], producers)  # (identities)
     if op.name in ("broadcast_in_dim", "convert_element_type", "reshape") and \
             all(isinstance(d, int) for d in v.type.shape):
         inner = _constant(op.operands[0], producers)
@@ -745,8 +752,13 @@ class _Padder:
         window = [a for a in range(op.operands[0].type.rank)
                   if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
         size_of = {a: upd_t.shape[d] for a, d in zip(window, dn.update_window_dims)}
-        self.check_window(op, upd_t, pads[2], {d: a for a, d in zip(window, dn.update_window_dims)},
-                          x_pad)
+        to_operand = {d: a for a, d in zip(window, dn.update_window_dims)}
+        upd_pad = dict(pads[2])
+        for d, sym in pads[2].items():
+            if self.window_onto_static(op, d, to_operand.get(d), sym, x_pad):
+                operands[2] = self.mask(operands[2], d, sym, _SCATTER_IDENTITY[name], op)
+                del upd_pad[d]
+        self.check_window(op, upd_t, upd_pad, to_operand, x_pad)
         for j, a in enumerate(dn.scatter_dims_to_operand_dims):
             if a not in x_pad or not isinstance(size_of.get(a, 1), (int, np.integer)):
                 continue
@@ -828,6 +840,29 @@ class _Padder:
             return "drop"  # gather fills; XLA's scatter skips out-of-bounds updates
         raise PaddingError(f"padding: {op.name} in mode {mode} indexes padded axis {axis} "
                            f"(dim {sym}), which padding cannot make exact ({_loc(op)})")
+
+    def window_onto_static(self, op: Op, d: int, a: int | None, sym: str,
+                           x_pad: dict[int, str]) -> bool:
+        """Can a scatter that combines (add, mul, min, max) take the update's padded window
+        axis ``d`` onto the operand's unpadded axis ``a`` (the gradient of ``wpe[:t]``:
+        the position gradient added into the table)? Yes when every window starts at a
+        constant from which the bucket's length fits: the padding then lands on real
+        elements, but masked to the combiner's identity it changes nothing there, and the
+        window is in range exactly when the real one is. Otherwise :meth:`check_window`
+        refuses it."""
+        if a is None or x_pad.get(a) == sym or op.name not in _SCATTER_IDENTITY:
+            return False
+        dim = op.operands[0].type.shape[a]
+        if not isinstance(dim, (int, np.integer)):
+            return False
+        dn = _live(op, "dimension_numbers")
+        starts = np.zeros((1,), np.int64)  # (an axis no index points into: the window starts at 0)
+        if a in dn.scatter_dims_to_operand_dims:
+            known = _constant(op.operands[1], self.producers)
+            if known is None or not known.size:
+                return False
+            starts = known[..., dn.scatter_dims_to_operand_dims.index(a)]
+        return bool(starts.min() >= 0 and starts.max() + self.buckets[sym] <= int(dim))
 
     def check_window(self, op: Op, upd: TensorType, upd_pad: dict[int, str],
                      to_operand: dict[int, int], x_pad: dict[int, str]) -> None:
