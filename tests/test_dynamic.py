@@ -369,21 +369,30 @@ def _nan_padded(arrs, shape, dtype, n):
     return buf.reshape((n * shape[0],) + shape[1:]) if shape else buf
 
 
+def _check_padded(monkeypatch, f, shapes, seed, bound=None, padding="nan", rtol=1e-6,
+                  atol=0.0):
+    """``f`` through a dynamic ``replicate`` (one replica per shape in ``shapes``, axis 0
+    bounded by ``bound``, the buckets padded with NaN or, as the runtime pads them, zeros)
+    equals ``jax.jit(f)`` on each replica's exact input."""
+    import runtime.dynamic as dyn
+    if padding == "nan":
+        monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    step = rt.replicate(f, num_replicas=len(shapes), options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=None if bound is None else [(bound, None)]))
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    out = step(rt.PerReplica(xs))
+    vals = out.values if isinstance(out, rt.PerReplica) else [out] * len(xs)
+    for v, x in zip(vals, xs):
+        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("name", sorted(FUNCS))
 def test_results_do_not_depend_on_the_padding(monkeypatch, name):
     """Every padded element is masked where it could reach a result: NaN padding (as a
     device buffer padded elsewhere might hold) gives the unpadded answers exactly."""
-    import runtime.dynamic as dyn
-    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
-    f = FUNCS[name]
-    step = rt.replicate(f, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
-    rng = np.random.default_rng(11)
-    xs = [rng.normal(size=(n, 16)).astype(np.float32) for n in (5, 7, 3, 8)]
-    out = step(rt.PerReplica(xs))
-    vals = out.values if isinstance(out, rt.PerReplica) else [out] * N
-    for r, x in enumerate(xs):
-        np.testing.assert_allclose(np.asarray(vals[r]), np.asarray(jax.jit(f)(x)),
-                                   rtol=1e-5, atol=1e-5)
+    _check_padded(monkeypatch, FUNCS[name], [(n, 16) for n in (5, 7, 3, 8)], 11, rtol=1e-5,
+                  atol=1e-5)
 
 
 def test_gradient_does_not_depend_on_the_padding(monkeypatch):
@@ -505,17 +514,8 @@ PAD_FUNCS = {
 def test_pad_of_a_padded_axis_to_a_static_size_equals_jit(monkeypatch, name, padding):
     """``pad(x, v, (0, 16 - t))`` to a static size puts the pad value from row ``t`` on;
     the bucket's padding must not land there (it did before: 15.0 off, silently)."""
-    import runtime.dynamic as dyn
-    if padding == "nan":
-        monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
-    f = PAD_FUNCS[name]
-    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
-        dynamic_shapes=True, maximum_shapes=[(PAD_TO, None)]))
-    rng = np.random.default_rng(14)
-    xs = [rng.normal(size=(n, 3)).astype(np.float32) for n in (5, 11)]
-    out = step(rt.PerReplica(xs))
-    for v, x in zip(out.values, xs):
-        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-5, atol=1e-6)
+    _check_padded(monkeypatch, PAD_FUNCS[name], [(5, 3), (11, 3)], 14, bound=PAD_TO,
+                  padding=padding, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("f,config", [
@@ -558,16 +558,7 @@ SIZED_SLICE_FUNCS = {
 
 @pytest.mark.parametrize("name", sorted(SIZED_SLICE_FUNCS))
 def test_slices_as_long_as_a_padded_dim_equal_jit(monkeypatch, name):
-    import runtime.dynamic as dyn
-    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
-    f = SIZED_SLICE_FUNCS[name]
-    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
-        dynamic_shapes=True, maximum_shapes=[(8, None)]))
-    rng = np.random.default_rng(15)
-    xs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (5, 3)]
-    out = step(rt.PerReplica(xs))
-    for v, x in zip(out.values, xs):
-        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+    _check_padded(monkeypatch, SIZED_SLICE_FUNCS[name], [(5, 4), (3, 4)], 15, bound=8)
 
 
 # -- gradient all-reduces of values with a padded dim: summed where the dims are static ------
@@ -643,16 +634,7 @@ WINDOW_SCATTERS = {
 def test_scatter_of_a_padded_window_onto_a_static_axis_equals_jit(monkeypatch, name):
     """The window's padding lands on real elements, masked to the combiner's identity;
     the window starts at a constant (2) from which the bucket (8) fits the 16 rows."""
-    import runtime.dynamic as dyn
-    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
-    f = WINDOW_SCATTERS[name]
-    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
-        dynamic_shapes=True, maximum_shapes=[(8, None)]))
-    rng = np.random.default_rng(20)
-    xs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (5, 3)]
-    out = step(rt.PerReplica(xs))
-    for v, x in zip(out.values, xs):
-        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+    _check_padded(monkeypatch, WINDOW_SCATTERS[name], [(5, 4), (3, 4)], 20, bound=8)
 
 
 def test_scatter_of_a_padded_window_that_may_not_fit_is_a_clear_error():

@@ -172,6 +172,16 @@ def train_step(state, batch, dropout_rng):
     return state, {"loss": jax.lax.pmean(loss, axis_name="batch")}
 
 
+def init_model(cfg):
+    """The model, its parameters (seed 1337, as train.py) and the optimizer."""
+    model = GPT(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(1337),
+                                 jnp.zeros((1, cfg.block_size), jnp.int32))["params"]
+    tx = configure_optimizers(params, weight_decay=1e-1, learning_rate=get_lr_schedule(),
+                              betas=(0.9, 0.95))
+    return model, params, tx
+
+
 def get_batch(cfg, seed=0, steps=2):
     """train.py's get_batch on a synthetic token stream: x and y = x shifted by one."""
     rng = np.random.default_rng(seed)
@@ -188,11 +198,7 @@ def get_batch(cfg, seed=0, steps=2):
 def test_nanogpt(n):
     cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16,
                     dropout=0.1, bias=True)
-    model = GPT(cfg)
-    params = jax.jit(model.init)(jax.random.PRNGKey(1337),
-                                 jnp.zeros((1, cfg.block_size), jnp.int32))["params"]
-    tx = configure_optimizers(params, weight_decay=1e-1, learning_rate=get_lr_schedule(),
-                              betas=(0.9, 0.95))
+    model, params, tx = init_model(cfg)
     state = jax.jit(lambda p: train_state.TrainState.create(
         apply_fn=model.apply, params=p, tx=tx))(params)
     batches = get_batch(cfg)
@@ -222,11 +228,7 @@ def test_nanogpt_bucketed_sequence_lengths(n):
     from tests.clients._harness import _strong
     cfg = GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16,
                     dropout=0.0, bias=True)
-    model = GPT(cfg)
-    params = jax.jit(model.init)(jax.random.PRNGKey(1337),
-                                 jnp.zeros((1, cfg.block_size), jnp.int32))["params"]
-    tx = configure_optimizers(params, weight_decay=1e-1, learning_rate=get_lr_schedule(),
-                              betas=(0.9, 0.95))
+    model, params, tx = init_model(cfg)
     state = jax.tree.map(_strong, train_state.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx))
     step = rt.replicate(single_replica_step, num_replicas=n, options=rt.RunOptions(
