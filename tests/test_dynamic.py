@@ -370,7 +370,7 @@ def _nan_padded(arrs, shape, dtype, n):
 
 
 def _check_padded(monkeypatch, f, shapes, seed, bound=None, padding="nan", rtol=1e-6,
-                  atol=0.0):
+                  atol=0.0, dynamic_dims=None):
     """``f`` through a dynamic ``replicate`` (one replica per shape in ``shapes``, axis 0
     bounded by ``bound``, the buckets padded with NaN or, as the runtime pads them, zeros)
     equals ``jax.jit(f)`` on each replica's exact input."""
@@ -378,7 +378,8 @@ def _check_padded(monkeypatch, f, shapes, seed, bound=None, padding="nan", rtol=
     if padding == "nan":
         monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
     step = rt.replicate(f, num_replicas=len(shapes), options=rt.RunOptions(
-        dynamic_shapes=True, maximum_shapes=None if bound is None else [(bound, None)]))
+        dynamic_shapes=True, dynamic_dims=dynamic_dims,
+        maximum_shapes=None if bound is None else [(bound, None if dynamic_dims is None else bound)]))
     rng = np.random.default_rng(seed)
     xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
     out = step(rt.PerReplica(xs))
@@ -485,21 +486,57 @@ _WINDOW = jax.lax.ScatterDimensionNumbers(update_window_dims=(0, 1), inserted_wi
                                           scatter_dims_to_operand_dims=(0,))
 
 
-@pytest.mark.parametrize("f,what", [
-    (lambda x: jax.lax.dynamic_update_slice_in_dim(jnp.zeros((10, 4)), x, 1, 0),
-     r"dynamic_update_slice writes an update of type f32\[b<=8,4\] varying whose padded axis "
-     r"0 \(dim b\) lands on axis 0 of f32\[10,4\] mirrored"),
-    # from row 12 a window of the bucket's 8 rows leaves the 16: XLA would skip it where a
-    # real window of 3 fits (a combining scatter from row 2 is exact: masked to identity)
-    (lambda x: jax.lax.scatter_add(jnp.ones((16, 4)), jnp.array([12]), x, _WINDOW),
-     r"scatter-add writes an update of type f32\[b<=8,4\] varying whose padded axis 0 \(dim "
-     r"b\) lands on axis 0 of f32\[16,4\] mirrored"),
-])
-def test_padded_update_onto_real_elements_is_a_clear_error(f, what):
+def test_padded_window_that_may_not_fit_is_a_clear_error():
+    """From row 12 a window of the bucket's 8 rows leaves the 16: XLA would skip it where
+    a real window of 3 fits (a combining scatter from row 2 is exact: masked to identity)."""
+    f = lambda x: jax.lax.scatter_add(jnp.ones((16, 4)), jnp.array([12]), x, _WINDOW)  # noqa: E731
     step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
         dynamic_shapes=True, maximum_shapes=[(8, None)]))
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(ValueError, match=r"scatter-add writes an update of type f32\[b<=8,4\] "
+                                         r"varying whose padded axis 0 \(dim b\) lands on axis 0 "
+                                         r"of f32\[16,4\] mirrored"):
         step(rt.PerReplica([np.ones((5, 4), np.float32), np.ones((3, 4), np.float32)]))
+
+
+# -- an update as long as a padded dim written into a fixed buffer ---------------------------
+BUFFER = jnp.arange(64, dtype=jnp.float32).reshape(16, 4)
+UPDATE_FUNCS = {
+    # (the whole buffer is the result: every row the bucket's padding could overwrite)
+    "at_1": lambda x: jax.lax.dynamic_update_slice_in_dim(BUFFER, x, 1, 0),
+    "clamped_at_14": lambda x: jax.lax.dynamic_update_slice_in_dim(BUFFER, x, 14, 0),
+    "negative": lambda x: jax.lax.dynamic_update_slice_in_dim(BUFFER, x, -2, 0),
+    "traced_start": lambda x: jax.lax.dynamic_update_slice_in_dim(
+        BUFFER, x, 9 + (x[0, 0] > -100).astype(jnp.int32), 0),
+    "two_dim_start": lambda x: jax.lax.dynamic_update_slice(jnp.zeros((16, 6)), x, (3, 1)),
+    "gradient_of_a_slice": lambda x: jax.grad(lambda tb: jnp.sum(jnp.tanh(
+        x + jax.lax.dynamic_slice_in_dim(tb, 10, x.shape[0]))))(BUFFER),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UPDATE_FUNCS))
+def test_update_as_long_as_a_padded_dim_into_a_fixed_buffer_equals_jit(monkeypatch, name):
+    """Only the real rows are written, at the start XLA clamps them to unpadded (start 14,
+    real length 5: row 11); the rows under the padding keep their values. The gradient of
+    ``dynamic_slice(table, i, t)`` writes the position gradient so (and at one replica only,
+    where the mean over replicas is the replica's own)."""
+    _check_padded(monkeypatch, UPDATE_FUNCS[name], [(5, 4)] if name == "gradient_of_a_slice"
+                  else [(5, 4), (3, 4)], 21, bound=8, rtol=1e-6, atol=1e-6)
+
+
+def test_update_with_two_padded_axes_into_a_fixed_buffer_equals_jit(monkeypatch):
+    buffer = jnp.arange(96, dtype=jnp.float32).reshape(8, 12)
+    f = lambda x: jax.lax.dynamic_update_slice(buffer, x, (3, 1))  # noqa: E731
+    _check_padded(monkeypatch, f, [(5, 3), (3, 2)], 23, bound=8, dynamic_dims={0: (0, 1)})
+
+
+def test_gradient_of_a_dynamic_slice_over_ragged_lengths_is_the_mean():
+    f = UPDATE_FUNCS["gradient_of_a_slice"]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, maximum_shapes=[(8, None)]))
+    rng = np.random.default_rng(22)
+    xs = [rng.normal(size=(n, 4)).astype(np.float32) for n in (5, 3)]
+    np.testing.assert_allclose(step(rt.PerReplica(xs)),
+                               np.mean([jax.jit(f)(x) for x in xs], axis=0), rtol=1e-6)
 
 
 # -- pad of a padded axis to a size beyond the real one ----------------------------------

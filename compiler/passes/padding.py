@@ -46,7 +46,9 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
   an error in ``clip`` mode, which cannot drop); an update whose padded axis would land on
   real positions is an error, unless the scatter combines (add, mul, min, max) and its
   window starts at a constant from which the bucket fits: the padding is then masked to
-  the combiner's identity (the gradient of ``wpe[:t]``, ``x.at[:t].add(u)``).
+  the combiner's identity (the gradient of ``wpe[:t]``, ``x.at[:t].add(u)``). A
+  ``dynamic_update_slice`` of a padded update into an operand with no padded axis writes
+  only the real part (``_Padder.update_onto_static``).
 
 Padding is at the end of each padded axis, so slices that keep the whole axis and
 cumulative ops are exact as they are.
@@ -350,6 +352,10 @@ class _Padder:
         if name == "convert_element_type":
             kind = np.dtype(jc.dtype_from_name(op.result.type.dtype)).kind
             return None if kind in "fc" else "converts it to an integer type"
+        if name == "dynamic_update_slice":
+            zero = partial[0] or _is_zero(op.operands[0], self.producers)
+            return None if partial[1] and not any(partial[2:]) and zero else \
+                "writes it onto a value that is not zero"
         if name == "scatter-add":
             zero = partial[0] or _is_zero(op.operands[0], self.producers)
             return None if partial[2] and not partial[1] and zero else \
@@ -392,6 +398,9 @@ class _Padder:
             self.check_split(op, pads[0])
         if op.name in ("dynamic_slice", "gather") and _has_sym(op.result.type):
             operands = self.sized_slice(op, pads, operands)
+        if op.name == "dynamic_update_slice" and pads[1] and not pads[0]:
+            self.update_onto_static(op, pads[1], operands)
+            return
         if any_pad and op.name in DENY:
             raise PaddingError(
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
@@ -829,6 +838,41 @@ class _Padder:
                 return lax.pad(x, jax.numpy.zeros((), x.dtype), config)
             operands[0] = self.splice(grow, (operands[0],), "sized_slice", op)
         return operands
+
+    def update_onto_static(self, op: Op, upd_pad: dict[int, str], operands: list[Value]) -> None:
+        """``dynamic_update_slice`` of an update with padded axes into an operand without
+        any (a sequence of length ``t`` written into a fixed buffer, and the gradient of
+        ``dynamic_slice(table, i, t)``): the update's padding would overwrite real
+        elements, and XLA would clamp the start for the bucket's length. So the operand is
+        padded by a bucket along those axes, the start clamped against the real length as
+        XLA clamps it unpadded, the elements under the padding read back and kept (the
+        update's real part merged over them), and the result sliced back: only the real
+        update is written, where it would be unpadded."""
+        x, upd = op.operands[0].type, op.operands[1].type
+        rank = x.rank
+        axes = sorted(upd_pad)
+        dims = [int(d) for d in x.shape]
+        buckets = [self.buckets[upd_pad[a]] for a in axes]
+
+        def fn(x, u, *rest):
+            starts, ns = list(rest[:rank]), rest[rank:]
+            config = [(0, 0, 0)] * rank
+            for a, b in zip(axes, buckets):
+                config[a] = (0, b, 0)
+            grown = lax.pad(x, jax.numpy.zeros((), x.dtype), config)
+            keep = None
+            for a, n in zip(axes, ns):
+                c = starts[a]
+                starts[a] = jax.numpy.clip(c, 0, (dims[a] - n).astype(c.dtype)).astype(c.dtype)
+                inside = lax.broadcasted_iota(np.int32, u.shape, a) < n
+                keep = inside if keep is None else keep & inside
+            under = lax.dynamic_slice(grown, starts, u.shape)
+            merged = jax.numpy.where(keep, u, under)
+            out = lax.dynamic_update_slice(grown, merged, starts)
+            return lax.slice(out, (0,) * rank, tuple(dims))
+        sizes = tuple(self.sizes[upd_pad[a]] for a in axes)
+        self.env[op.result] = self.splice(fn, (operands[0], operands[1], *operands[2:], *sizes),
+                                          "update_onto_static", op)
 
     def index_mode(self, op: Op, mode: str | None, axis: int, sym: str) -> str:
         """``clip`` or ``drop``: what an out-of-range index into padded ``axis`` does."""
