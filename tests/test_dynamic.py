@@ -53,6 +53,10 @@ FUNCS = {
     "gather": lambda x: x[jnp.array([0, 0, 0])] + jnp.take(x, jnp.zeros((2,), jnp.int32), axis=0).sum(),
     "column": lambda x: x[:, 2] * 2,
     "reshape": lambda x: x.reshape(x.shape[0], 4, 4).sum(-1),
+    "stack": lambda x: jnp.stack([x, jnp.sin(x)], 1).sum(0) + jnp.stack([x, x], 0).mean(1),
+    # a key per row (jax.random.split over the padded axis), used per row
+    "keys_per_row": lambda x: x * jax.vmap(lambda k, r: jax.random.bernoulli(k, 0.5, r.shape))(
+        jax.random.split(jax.random.PRNGKey(0), x.shape[0]), x),
 }
 
 

@@ -112,6 +112,10 @@ def _loc(op: Op) -> str:
     return str(op.loc) if op.loc is not None else "unknown location"
 
 
+#: PRNG ops elementwise over a key array's leading axes that add or remove the trailing
+#: axes of the key data (``jax.random.split`` of a key per row)
+_KEY_DATA = frozenset({"random_wrap", "random_unwrap", "random_split", "random_fold_in",
+                       "random_bits"})
 #: the identity of each combining scatter (what a masked update element adds nothing with)
 _SCATTER_IDENTITY = {"scatter-add": "0", "scatter-sub": "0", "scatter-mul": "1",
                      "scatter-min": "+inf", "scatter-max": "-inf"}
@@ -538,6 +542,21 @@ class _Padder:
             return operands
         # unknown op: allowed only when element-wise on every padded axis
         rshape = op.results[0].type.shape if op.results else ()
+        if name == "stack":  # a new axis at ``axis``: the others move past it or stay
+            k = op.attr("axis")
+            for v, p in zip(op.operands, pads):
+                for a, sym in p.items():
+                    if not _is(rshape[a if a < k else a + 1], sym):
+                        raise PaddingError(f"padding: stack moves the padded axis {a} (dim "
+                                           f"{sym}) of {v.type} ({_loc(op)})")
+            return operands
+        if name in _KEY_DATA:  # keys <-> their data: trailing axes added or removed
+            for v, p in zip(op.operands, pads):
+                for a, sym in p.items():
+                    if a >= min(v.type.rank, len(rshape)) or not _is(rshape[a], sym):
+                        raise PaddingError(f"padding: {name} moves the padded axis {a} (dim "
+                                           f"{sym}) of {v.type} ({_loc(op)})")
+            return operands
         for v, p in zip(op.operands, pads):
             for a, sym in p.items():
                 if v.type.rank != len(rshape) or not _is(rshape[a], sym):
