@@ -846,7 +846,8 @@ class _Padder:
                 if mode == "clip":
                     new = jax.numpy.clip(c, 0, hi).astype(c.dtype)
                 else:
-                    new = jax.numpy.where((c < 0) | (c > hi), jax.numpy.asarray(dim + bucket, c.dtype), c)
+                    past = jax.numpy.asarray(dim + bucket, c.dtype)  # (out of range: fills)
+                    new = jax.numpy.where((c < 0) | (c > hi), past, c)
                 return new if j is None else i.at[..., j].set(new)
             k = where if op.name == "dynamic_slice" else 1
             operands[k] = self.splice(fix, (operands[k], self.sizes[sym]), "sized_slice", op)
