@@ -174,7 +174,9 @@ def _inline_calls(graph: Graph) -> Graph:
     return rw.finish()
 
 
-def _is_zero(v: Value, producers: dict[Value, Op]) -> bool:
+def is_zero(v: Value, producers: dict[Value, Op]) -> bool:
+    """Is ``v`` a constant zero, broadcast, converted or reshaped (``producers``: the op
+    making each value)? The padding pass asks it too (a zero a scatter adds into)."""
     op = producers.get(v)
     while op is not None and op.name in ("broadcast_in_dim", "convert_element_type", "reshape"):
         op = producers.get(op.operands[0])
@@ -276,13 +278,13 @@ class _Lifter:
             ok = (sum(reads) == 1 and not _varying(others[0])
                   and (op.name != "div" or reads[0]))
         elif op.name in ("add_any", "add", "sub", "concatenate"):
-            ok = all(_is_zero(v, producers) for v in others)
+            ok = all(is_zero(v, producers) for v in others)
         elif op.name == "select_n":
             ok = not reads[0] and not _varying(op.operands[0]) and \
-                all(_is_zero(v, producers) for v in others[1:])
+                all(is_zero(v, producers) for v in others[1:])
         elif op.name in ("pad", "dynamic_slice", "gather"):
             ok = reads[0] and all(not _varying(v) for v in others) and \
-                (op.name != "pad" or _is_zero(op.operands[1], producers))
+                (op.name != "pad" or is_zero(op.operands[1], producers))
         else:
             ok = op.name in LINEAR and all(not _varying(v) for v in others)
         if not ok:
@@ -316,7 +318,7 @@ class _Lifter:
         for g, p in lifted:
             prods = g.producers()
             for j in positions - p:
-                if not _is_zero(g.outputs[j], prods):
+                if not is_zero(g.outputs[j], prods):
                     raise _Refused(f"cond{_where(op)}: a branch returns a value that is neither "
                                    f"the replica's addend nor zero where another returns an addend")
         return op.replace(regions=tuple(g for g, _ in lifted)), positions
@@ -332,7 +334,7 @@ class _Lifter:
         # the accumulators: carries that start at zero and take a collective's result (a
         # zero is every replica's addend of zero, so they start as partials)
         reads = [n_consts <= k < n_consts + n_carry and body.outputs[k - n_consts] in tainted
-                 and _is_zero(v, producers) for k, v in enumerate(op.operands)]
+                 and is_zero(v, producers) for k, v in enumerate(op.operands)]
         return self._scan(op, reads, producers)
 
     def _scan(self, op: Op, reads: list[bool], producers: dict[Value, Op]) -> tuple[Op, set[int]]:
@@ -349,7 +351,7 @@ class _Lifter:
             new_body, outs = self.lift(body, fixed | {n_consts + i for i in carry} | xs)
             grown = {i for i in range(n_carry) if i in outs} - carry
             for i in grown:  # a carry that becomes an addend must start as one (or zero)
-                if not _is_zero(op.operands[n_consts + i], producers):
+                if not is_zero(op.operands[n_consts + i], producers):
                     raise _Refused(f"scan{_where(op)} accumulates a collective's result in a "
                                    f"carry that does not start at zero")
             if not grown:
@@ -357,7 +359,7 @@ class _Lifter:
             carry |= grown
         prods = new_body.producers()
         for i in carry - outs:
-            if not _is_zero(new_body.outputs[i], prods):
+            if not is_zero(new_body.outputs[i], prods):
                 raise _Refused(f"scan{_where(op)} overwrites a carry that holds a collective's "
                                f"result")
         regions = list(op.regions)

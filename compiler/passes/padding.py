@@ -64,6 +64,7 @@ from jax import lax
 
 from compiler.errors import PassError
 from compiler.lower import CALL_LIKE, rule
+from compiler.passes.hoist_collectives import is_zero
 from ir import _jax_compat as jc
 from ir.graph import Graph, Op, Opaque, Value
 from ir.jaxpr_import import import_jaxpr
@@ -112,6 +113,19 @@ def _loc(op: Op) -> str:
     return str(op.loc) if op.loc is not None else "unknown location"
 
 
+def _grown(x: Any, by: dict[int, int]) -> Any:
+    """``x`` with ``by[a]`` zeros appended along each axis ``a`` (traced, for ``splice``):
+    room for a slice or update of a bucket's length that XLA then never clamps."""
+    return lax.pad(x, jax.numpy.zeros((), x.dtype),
+                   [(0, by.get(a, 0), 0) for a in range(x.ndim)])
+
+
+def _clamped_start(c: Any, dim: int, n: Any) -> Any:
+    """The start ``c`` clamped as XLA clamps it for ``n`` elements of an axis of ``dim``
+    (traced, for ``splice``: ``n`` is a replica's real size)."""
+    return jax.numpy.clip(c, 0, (dim - n).astype(c.dtype)).astype(c.dtype)
+
+
 #: PRNG ops elementwise over a key array's leading axes that add or remove the trailing
 #: axes of the key data (``jax.random.split`` of a key per row)
 _KEY_DATA = frozenset({"random_wrap", "random_unwrap", "random_split", "random_fold_in",
@@ -157,12 +171,6 @@ def _constant(v: Value, producers: dict[Value, Op]) -> np.ndarray | None:
                                   for k in range(len(shape))])
         return np.broadcast_to(expanded, shape)
     return None
-
-
-def _is_zero(v: Value, producers: dict[Value, Op]) -> bool:
-    """Is ``v`` a constant zero (broadcast or not)?"""
-    value = _constant(v, producers)
-    return value is not None and value.size > 0 and not np.any(value)
 
 
 _is_dimexpr = jc.is_symbolic_dim
@@ -357,11 +365,11 @@ class _Padder:
             kind = np.dtype(jc.dtype_from_name(op.result.type.dtype)).kind
             return None if kind in "fc" else "converts it to an integer type"
         if name == "dynamic_update_slice":
-            zero = partial[0] or _is_zero(op.operands[0], self.producers)
+            zero = partial[0] or is_zero(op.operands[0], self.producers)
             return None if partial[1] and not any(partial[2:]) and zero else \
                 "writes it onto a value that is not zero"
         if name == "scatter-add":
-            zero = partial[0] or _is_zero(op.operands[0], self.producers)
+            zero = partial[0] or is_zero(op.operands[0], self.producers)
             return None if partial[2] and not partial[1] and zero else \
                 "scatters it onto a value that is not zero"
         return "is not known to be linear in it"
@@ -842,21 +850,16 @@ class _Padder:
 
             def fix(i, n, j=(None if op.name == "dynamic_slice" else where)):
                 c = i if j is None else i[..., j]
-                hi = (dim - n).astype(c.dtype)
                 if mode == "clip":
-                    new = jax.numpy.clip(c, 0, hi).astype(c.dtype)
+                    new = _clamped_start(c, dim, n)
                 else:
                     past = jax.numpy.asarray(dim + bucket, c.dtype)  # (out of range: fills)
-                    new = jax.numpy.where((c < 0) | (c > hi), past, c)
+                    new = jax.numpy.where((c < 0) | (c > (dim - n).astype(c.dtype)), past, c)
                 return new if j is None else i.at[..., j].set(new)
             k = where if op.name == "dynamic_slice" else 1
             operands[k] = self.splice(fix, (operands[k], self.sizes[sym]), "sized_slice", op)
-            config = [(0, 0, 0)] * len(dims)
-            config[a] = (0, bucket, 0)
-
-            def grow(x, config=tuple(config)):
-                return lax.pad(x, jax.numpy.zeros((), x.dtype), config)
-            operands[0] = self.splice(grow, (operands[0],), "sized_slice", op)
+            operands[0] = self.splice(lambda x, a=a, b=bucket: _grown(x, {a: b}),
+                                      (operands[0],), "sized_slice", op)
         return operands
 
     def update_onto_static(self, op: Op, upd_pad: dict[int, str], operands: list[Value]) -> None:
@@ -868,22 +871,17 @@ class _Padder:
         XLA clamps it unpadded, the elements under the padding read back and kept (the
         update's real part merged over them), and the result sliced back: only the real
         update is written, where it would be unpadded."""
-        x, upd = op.operands[0].type, op.operands[1].type
-        rank = x.rank
+        rank = op.operands[0].type.rank
         axes = sorted(upd_pad)
-        dims = [int(d) for d in x.shape]
-        buckets = [self.buckets[upd_pad[a]] for a in axes]
+        dims = [int(d) for d in op.operands[0].type.shape]
+        buckets = {a: self.buckets[upd_pad[a]] for a in axes}
 
         def fn(x, u, *rest):
             starts, ns = list(rest[:rank]), rest[rank:]
-            config = [(0, 0, 0)] * rank
-            for a, b in zip(axes, buckets):
-                config[a] = (0, b, 0)
-            grown = lax.pad(x, jax.numpy.zeros((), x.dtype), config)
+            grown = _grown(x, buckets)
             keep = None
             for a, n in zip(axes, ns):
-                c = starts[a]
-                starts[a] = jax.numpy.clip(c, 0, (dims[a] - n).astype(c.dtype)).astype(c.dtype)
+                starts[a] = _clamped_start(starts[a], dims[a], n)
                 inside = lax.broadcasted_iota(np.int32, u.shape, a) < n
                 keep = inside if keep is None else keep & inside
             under = lax.dynamic_slice(grown, starts, u.shape)
