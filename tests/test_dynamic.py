@@ -778,17 +778,8 @@ FUNCS_2D = {
 
 @pytest.mark.parametrize("name", sorted(FUNCS_2D))
 def test_two_dynamic_dims_equal_jit(monkeypatch, name):
-    import runtime.dynamic as dyn
-    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
-    f = FUNCS_2D[name]
-    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
-        dynamic_shapes=True, dynamic_dims={0: (0, 1)}))
-    rng = np.random.default_rng(18)
-    xs = [rng.normal(size=s).astype(np.float32) for s in [(3, 5, 4), (2, 7, 4)]]
-    out = step(rt.PerReplica(xs))
-    vals = out.values if isinstance(out, rt.PerReplica) else [out] * 2
-    for v, x in zip(vals, xs):
-        np.testing.assert_allclose(np.asarray(v), np.asarray(jax.jit(f)(x)), rtol=1e-5, atol=1e-6)
+    _check_padded(monkeypatch, FUNCS_2D[name], [(3, 5, 4), (2, 7, 4)], 18, rtol=1e-5,
+                  atol=1e-6, dynamic_dims={0: (0, 1)})
 
 
 def test_reshape_that_swaps_two_dynamic_dims_is_a_clear_error():
