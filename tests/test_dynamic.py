@@ -622,6 +622,31 @@ def _position_loss(p, x):
     return jnp.mean(jnp.tanh((x + pe) @ p["w"]) ** 2)
 
 
+def _scaled_position_loss(p, x):
+    """The embedding divided by each replica's own length: the backward ops after the
+    deferred all-reduce divide by t_r, which differs between replicas (a size-derived
+    value, typed mirrored before padding)."""
+    pe = jnp.take(p["wpe"], jnp.arange(x.shape[1]), axis=0) / x.shape[1]
+    return jnp.mean(jnp.tanh((x + pe) @ p["w"]) ** 2)
+
+
+def test_position_gradient_divided_by_each_replicas_length_equals_jit(monkeypatch):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    rng = np.random.default_rng(24)
+    p = {"wpe": rng.normal(size=(16, 4)).astype(np.float32),
+         "w": rng.normal(size=(4, 4)).astype(np.float32)}
+    step = rt.replicate(lambda p, x: jax.grad(_scaled_position_loss)(p, x), num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True, dynamic_dims={1: (1,)},
+                                              maximum_shapes=[None, (None, 16, None)]))
+    xs = [rng.normal(size=(3, t, 4)).astype(np.float32) for t in (3, 13)]
+    g = step(p, rt.PerReplica(xs))
+    ref = [jax.jit(jax.grad(_scaled_position_loss))(p, x) for x in xs]
+    for k in p:
+        np.testing.assert_allclose(g[k], np.mean([r[k] for r in ref], 0), rtol=1e-5,
+                                   atol=1e-6, err_msg=k)
+
+
 def _position_step(p, x):
     loss, g = jax.value_and_grad(_position_loss)(p, x)
     return jax.tree.map(lambda a, b: a - 0.5 * b, p, g), loss
