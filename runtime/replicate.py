@@ -346,9 +346,18 @@ class Replicated:
     def _fast_key_matches(prog: Program, leaves: list) -> bool:
         """The key entries the executable does not check itself: the full signature of
         rank-0 inputs (Python scalars are weak) and the weak type of the others. Plain
-        loops: this runs on every cache hit."""
+        loops: this runs on every cache hit. A leaf that has no signature (a
+        ``PerReplica`` where the program took a mirrored scalar: a step's per-replica
+        result fed back; or no array at all) is no match: the slow path's key decides,
+        and names what is wrong."""
         for i, s in prog.scalar_sigs:
-            if leaf_sig(leaves[i]) != s:
+            x = leaves[i]
+            if type(x) is PerReplica:
+                return False
+            try:
+                if leaf_sig(x) != s:
+                    return False
+            except (TypeError, ValueError):
                 return False
         for i, w in prog.array_weak:
             if getattr(leaves[i], "weak_type", False) is not w:

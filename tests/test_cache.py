@@ -284,6 +284,29 @@ def test_fast_path_falls_back_when_the_batch_differs(second):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w))
 
 
+def test_a_per_replica_result_fed_back_where_a_mirrored_scalar_was():
+    """A state leaf that came in as a mirrored scalar and went out varying (optax's
+    ``reduce_on_plateau`` fed a replica's own loss) comes back as a ``PerReplica``; fed to
+    the next call in the same place it gets a program of its own (it crashed the fast
+    path's scalar check: ``np.asarray`` of a ``PerReplica``), and anything that is no array
+    there is the slow path's ``TypeError``, naming the leaf."""
+    def f(s, x):
+        return s + x.mean(), x.sum(0) * s
+    step = rt.replicate(f, num_replicas=4)
+    x = rt.distribute(np.arange(8, dtype=np.float32).reshape(8, 1), 4)
+    s, _ = step(np.float32(1.0), x)
+    assert isinstance(s, rt.PerReplica)
+    s2, y = step(s, x)  # the same structure, a PerReplica where the scalar was
+    for r in range(4):
+        xr = np.arange(8, dtype=np.float32).reshape(4, 2, 1)[r]
+        s_r = 1.0 + xr.mean()
+        np.testing.assert_allclose(np.asarray(s2.values[r]), s_r + xr.mean(), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(y.values[r]), xr.sum(0) * s_r, rtol=1e-6)
+    assert step.cache_info().misses == 2
+    with pytest.raises(TypeError, match=r"step argument args\[0\] is the string 'not an array'"):
+        step("not an array", x)
+
+
 def test_per_replica_host_arrays_take_the_fast_path(monkeypatch):
     """``PerReplica([x0, x1, ...])`` of NumPy arrays with the cached program's per-replica
     shape and dtype skips the key (each replica's array is checked against the program's
