@@ -9,6 +9,7 @@ from jax import lax
 
 from compiler.trace import CURRENT_NUM_REPLICAS, current_axis
 from ir import _jax_compat as jc
+from runtime.divergence import note_local_view
 from runtime.validate import user_line
 
 _OPS = {"sum": lax.psum, "mean": lax.pmean, "max": lax.pmax, "min": lax.pmin}
@@ -195,7 +196,7 @@ def local(tree: Any) -> Any:
     ``rt.all_reduce`` yourself), or a per-replica inner loop (MAML with one task per
     replica: ``inner = sgd(rt.local(params), support)``)."""
     _require_step("local")
-
+    note_local_view()
     for x in jax.tree.leaves(tree):
         if not hasattr(x, "dtype") and not isinstance(x, (bool, int, float, complex)):
             raise TypeError(f"local: leaves must be arrays or numbers, got {type(x).__name__} "

@@ -60,6 +60,7 @@ from compiler.trace import LeafSpec, global_shape, trace_replica_fn
 from ir import _jax_compat as jc
 from ir.graph import Graph, Value
 from ir.types import Replica, SymDim, TensorType
+from runtime.divergence import check_diverging_state, watching_local_views
 from runtime.per_replica import LEAF_TREEDEF, PerReplica
 from runtime.program import Program, leaf_sig
 
@@ -538,7 +539,7 @@ class DynamicPath:
         name = rep.__name__
         fn = rep._callable(statics)
         try:
-            with jc.symbolic_cumulative():
+            with jc.symbolic_cumulative(), watching_local_views() as local_views:
                 graph, t = trace_replica_fn(flat_fn, specs, rep.num_replicas, name,
                                             logical_devices=rep.logical_devices,
                                             axis_name=rep.axis_name)
@@ -553,7 +554,7 @@ class DynamicPath:
                 raise
             raise _symbolic_size(e, name, syms) from e
         graph = _with_bounds(graph, bounds)
-        res = (graph, t, None, specs, out_info["treedef"])
+        res = (graph, t, bool(local_views), specs, out_info["treedef"])
         with self.lock:
             self.traces[skey] = res
         return res
@@ -561,8 +562,8 @@ class DynamicPath:
     def build(self, leaves, treedef, per_leaf, syms, buckets, bounds, key,
               statics: tuple = ()) -> Any:
         rep = self.rep
-        graph, t_import, _, specs, out_td = self.trace(leaves, treedef, per_leaf, syms, bounds,
-                                                       statics)
+        graph, t_import, local_views, specs, out_td = self.trace(
+            leaves, treedef, per_leaf, syms, bounds, statics)
         size_td = jax.tree.structure(tuple(range(len(syms))))
         in_layout = [(size_td, (0,) * len(syms))] + [
             None if info is None else (info[0], tuple(a[0].ndim for a, _ in info[1]))
@@ -581,6 +582,11 @@ class DynamicPath:
         pm = PassManager(passes, verify=self.options.verify,
                          dump_dir=rep._dump_folder(key, "ir") if len(key) > 1 else "")
         final = pm.run(graph, import_seconds=t_import)
+        if not local_views:  # a result in a mirrored argument's place that comes out varying
+            check_diverging_state(rep.__name__, treedef, per_leaf,
+                                  [None if info is not None else
+                                   (tuple(leaf_sig(x)[0]), str(leaf_sig(x)[1]))
+                                   for x, info in zip(leaves, per_leaf)], out_td, final)
         out_varying = [v.type.replica is not Replica.MIRRORED for v in final.outputs]
         out_ranks = [v.type.rank for v in final.outputs]
         jitted = build_jitted(final, rep.mesh, [s.varying for s in specs],

@@ -36,6 +36,7 @@ from compiler.trace import LeafSpec, global_shape, trace_replica_fn
 from ir import _jax_compat as jc
 from ir.jaxpr_import import REPLICA_AXIS
 from ir.types import Replica
+from runtime.divergence import check_diverging_state, watching_local_views
 from runtime.per_replica import PerReplica
 
 log = logging.getLogger("runtime")
@@ -432,9 +433,10 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
         return out_leaves
 
     split: dict[str, float] = {}
-    graph, t_import = trace_replica_fn(flat_fn, specs, n, getattr(rep, "__name__", "step"),
-                                       logical_devices=rep.logical_devices, split=split,
-                                       axis_name=rep.axis_name)
+    with watching_local_views() as local_views:
+        graph, t_import = trace_replica_fn(flat_fn, specs, n, getattr(rep, "__name__", "step"),
+                                           logical_devices=rep.logical_devices, split=split,
+                                           axis_name=rep.axis_name)
     passes = parse_pipeline(rep.options.pipeline, num_replicas=n,
                             loss_reduction=rep.loss_reduction,
                             num_logical_devices=rep.logical_devices,
@@ -446,6 +448,11 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
     pm = PassManager(passes, verify=rep.options.verify, dump_dir=dump,
                      keep="ends" if keep else False)
     final = pm.run(graph, import_seconds=t_import)
+    if not local_views:  # a result in a mirrored argument's place that comes out varying
+        check_diverging_state(getattr(rep, "__name__", "step"), treedef, in_layout,
+                              [None if lay is not None else (tuple(sig[0]), str(sig[1]))
+                               for lay, sig in zip(in_layout, key[1])],
+                              out_info["treedef"], final)
     out_varying = [v.type.replica is not Replica.MIRRORED for v in final.outputs]
     out_ranks = [v.type.rank for v in final.outputs]
     # all mirrored, one process, nothing donated: the executable takes the caller's own
