@@ -187,3 +187,24 @@ def test_the_warning_points_at_the_users_call():
 def _line() -> int:
     import inspect
     return inspect.currentframe().f_back.f_lineno
+
+
+def test_several_steps_per_call_warn_for_the_carried_state():
+    """With ``steps_per_call=3`` the state is a loop carry: an EMA of the replica's own loss
+    makes it varying (and the final state per replica); the weights, all-reduced, stay one."""
+    def step(state, x):
+        loss = jnp.mean(x ** 2)
+        g = jax.grad(lambda w: jnp.mean((x * w) ** 2))(state["w"])
+        return {"ema": 0.9 * state["ema"] + 0.1 * loss, "w": state["w"] - 0.1 * g}, loss
+
+    xs = [_x(seed=t) for t in range(3)]
+    with pytest.warns(rt.DivergingStateWarning, match=r"1 of its 2 leaves come out varying "
+                                                      r"across replicas: result\[0\]\['ema'\]"):
+        s, _ = rt.replicate(step, num_replicas=N, steps_per_call=3)(
+            {"ema": np.float32(0), "w": np.ones(3, np.float32)}, rt.distribute_steps(xs, N))
+    assert isinstance(s["ema"], rt.PerReplica) and not isinstance(s["w"], rt.PerReplica)
+    for r in range(N):
+        ema = 0.0
+        for x in xs:
+            ema = 0.9 * ema + 0.1 * np.mean(np.split(x, N)[r] ** 2)
+        np.testing.assert_allclose(np.asarray(s["ema"].values[r]), ema, rtol=1e-5)
