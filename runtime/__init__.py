@@ -9,9 +9,9 @@ from __future__ import annotations
 from runtime.annotations import (assign_to_logical_device, num_logical_devices,
                                  replicate_to_logical_devices, split_to_logical_devices)
 from runtime.cache import CacheInfo
-from runtime.divergence import DivergingStateWarning
 from runtime.collectives import (all_gather, all_reduce, all_to_all, local, num_replicas,
                                  ppermute, psum_scatter, replica_id)
+from runtime.divergence import DivergingStateWarning
 from runtime.per_replica import PerReplica, distribute, reduce
 from runtime.replicate import Replicated, RunOptions, replicate
 from runtime.stages import Compiled, Lowered
