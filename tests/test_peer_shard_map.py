@@ -1,0 +1,300 @@
+"""Port of jax-ml/jax tests/shard_map_test.py (``ShardMapTest``): the cases that run over
+one mesh axis, written as the per-replica step ``replicate`` runs.
+
+How a case maps: ``shard_map(f, mesh, in_specs, out_specs)`` over a mesh axis ``'x'`` of
+size n becomes ``rt.replicate(f, num_replicas=n, axis_name='x')``; an input with
+``P('x', ...)`` goes in as ``rt.distribute`` (each replica its block of axis 0), one with
+``P()`` as a plain (mirrored) array; a per-replica result is compared block by block with
+``shard_map``'s global result (its ``out_specs`` say along which axis the blocks are
+concatenated). Each case keeps the source's function and its expected values, and also
+compares with JAX's ``shard_map`` run here on the same devices (the oracle).
+
+Gradients: the source differentiates the ``shard_map``-ed function from outside (JAX's
+derivative of the global program); a ``replicate`` step differentiates from inside, per
+replica. With ``loss_reduction="sum"`` a mirrored input's gradient is that global
+derivative; with ``"mean"`` it is divided by n (TF's semantics), and a seed of a value
+identical on every replica counts once per replica (so the ``psum`` fan-in case gives n
+times JAX's cotangent: shown, not hidden). An output the source types per device with
+``out_specs=P('x')`` although its value is invariant (an implicit fan-out) is cast to
+varying in the step with ``lax.pcast(..., to='varying')``, the cast ``out_specs`` makes.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+import runtime as rt
+
+
+def _mesh(n: int) -> Mesh:
+    return Mesh(np.asarray(jax.devices()[:n]), ("x",))
+
+
+def _blocks(out, n: int, axis: int = 0) -> np.ndarray:
+    """A result as ``shard_map``'s global array under ``out_specs`` splitting ``axis``: a
+    per-replica one's blocks concatenated; a mirrored one (proven identical on every
+    replica: ``replicate`` returns one array) repeated n times, as ``shard_map`` gives it."""
+    vals = out.values if isinstance(out, rt.PerReplica) else [out] * n
+    return np.concatenate([np.asarray(v) for v in vals], axis=axis)
+
+
+def _rep(f, n, **kw):
+    return rt.replicate(f, num_replicas=n, axis_name="x", **kw)
+
+
+def test_all_gather():
+    """``test_all_gather`` on one axis: tiled gathers along axis 0 and along the last."""
+    a = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+
+    def fwd(a):
+        return (lax.all_gather(a, 'x', axis=0, tiled=True),
+                lax.all_gather(a, 'x', axis=-1, tiled=True))
+
+    sm = jax.jit(jax.shard_map(fwd, mesh=_mesh(4), in_specs=(P('x'),), out_specs=P('x')))
+    c, d = _rep(fwd, 4)(rt.distribute(a, 4))
+    want_c, want_d = sm(a)
+    # a gather is identical on every replica: one array each
+    assert not isinstance(c, rt.PerReplica) and not isinstance(d, rt.PerReplica)
+    np.testing.assert_array_equal(np.asarray(c), a)
+    np.testing.assert_array_equal(np.asarray(d), np.concatenate(np.split(a, 4), axis=-1))
+    np.testing.assert_array_equal(_blocks(c, 4), want_c)
+    np.testing.assert_array_equal(_blocks(d, 4), want_d)
+
+
+def test_matmul_reduce_scatter():
+    """``test_matmul_reduce_scatter`` on one axis: a matmul contracting the split
+    dimension leaves partial sums, which ``psum_scatter`` adds and splits by rows."""
+    a = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+    b = np.arange(8 * 8, dtype=np.float32).reshape(8, 8) / 10
+
+    def fwd(a, b):
+        c = jnp.matmul(a, b)  # [B, F] {x.unreduced}
+        return lax.psum_scatter(c, 'x', scatter_dimension=0, tiled=True)
+
+    sm = jax.jit(jax.shard_map(fwd, mesh=_mesh(4), in_specs=(P(None, 'x'), P('x', None)),
+                               out_specs=P('x', None)))
+    # a's columns and b's rows per replica: distribute splits axis 0, so a goes transposed
+    cols = rt.PerReplica([np.ascontiguousarray(blk) for blk in np.split(a, 4, axis=1)])
+    out = _rep(fwd, 4)(cols, rt.distribute(b, 4))
+    np.testing.assert_allclose(_blocks(out, 4), a @ b, rtol=1e-6)
+    np.testing.assert_allclose(_blocks(out, 4), sm(a, b), rtol=1e-6)
+
+
+def test_collective_permute():
+    a = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+
+    def fwd(a):
+        axis_size = lax.axis_size('x')
+        perm = [(j, (j + 1) % axis_size) for j in range(axis_size)]
+        return lax.ppermute(a, 'x', perm=perm)
+
+    c = _blocks(_rep(fwd, 8)(rt.distribute(a, 8)), 8)
+    np.testing.assert_array_equal(c[1, :], a[0, :])
+    np.testing.assert_array_equal(c, jax.jit(jax.shard_map(
+        fwd, mesh=_mesh(8), in_specs=(P('x', None),), out_specs=P('x', None)))(a))
+
+
+def test_all_to_all():
+    """``test_all_to_all`` (a GPU-only case there; the CPU runs it as well) on 8 devices:
+    rows split, columns exchanged, out along axis 1."""
+    a = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+
+    def fwd(a):
+        return lax.all_to_all(a, 'x', split_axis=1, concat_axis=1, tiled=True)
+
+    c = _blocks(_rep(fwd, 8)(rt.distribute(a, 8)), 8, axis=1)
+    assert (c == np.reshape(a.T, (1, 64))).all()
+    np.testing.assert_array_equal(c, jax.jit(jax.shard_map(
+        fwd, mesh=_mesh(8), in_specs=(P('x', None),), out_specs=P(None, 'x')))(a))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_all_to_all_grad(reduction):
+    """The gradient of ``2 * sum(all_to_all(x))`` with respect to each replica's block is
+    2 everywhere, as the source's outside gradient is: per-replica inputs' gradients are
+    the global derivative, whatever the loss reduction."""
+    a = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+
+    def fwd(x):
+        return lax.all_to_all(x, 'x', split_axis=1, concat_axis=0, tiled=True)
+
+    def step(x):
+        loss, grad = jax.value_and_grad(lambda x: fwd(x).sum() * 2)(x)
+        return loss, grad
+
+    loss, grad = _rep(step, 4, loss_reduction=reduction)(rt.distribute(a, 4))
+    assert float(np.sum([np.asarray(v) for v in loss.values])) == 2 * sum(range(64))
+    np.testing.assert_array_equal(_blocks(grad, 4), 2 * np.ones_like(a))
+    sm = jax.shard_map(fwd, mesh=_mesh(4), in_specs=(P('x', None),), out_specs=P(None, 'x'))
+    np.testing.assert_array_equal(_blocks(grad, 4), jax.grad(lambda x: sm(x).sum() * 2)(a))
+
+
+def test_jvp_and_linearize_basic():
+    """``test_jvp_basic`` / ``test_linearize_basic`` (one axis): forward mode inside a
+    replica is the replica's own; jvp and linearize agree and equal the global ones."""
+    x = np.arange(4 * 4, dtype=np.float32).reshape(4, 4)
+    g = lambda x: jnp.sin(jnp.cos(x))  # noqa: E731
+
+    def step(x):
+        y, y_dot = jax.jvp(g, [x], [x])
+        y_, g_lin = jax.linearize(g, x)
+        return y, y_dot, y_, g_lin(x)
+
+    y, y_dot, y_, y_dot_ = (_blocks(o, 2) for o in _rep(step, 2)(rt.distribute(x, 2)))
+    np.testing.assert_allclose(y, y_, rtol=1e-6)
+    np.testing.assert_allclose(y_dot, y_dot_, rtol=1e-6)
+    sm = jax.shard_map(g, mesh=_mesh(2), in_specs=(P('x'),), out_specs=P('x'))
+    want, want_dot = jax.jvp(sm, [x], [x])
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+    np.testing.assert_allclose(y_dot, want_dot, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_reverse_mode_ad(reduction):
+    """``test_reverse_mode_ad``: ``f(x, y)`` with x split (``P('x')``) and y replicated
+    (``P(None)``): x's gradient is each replica's own block of the global one, y's the
+    global one under ``"sum"`` and its mean over the 2 replicas under ``"mean"``; the
+    second derivative in x likewise (``check_grads(order=2)`` there)."""
+    def f(x, y):
+        return jnp.sin(x) + 3 + jnp.tan(2.) * jnp.cos(x) + y
+
+    x = np.arange(8., dtype=np.float32) / 10.
+    y = np.arange(4., dtype=np.float32) / 10.
+    ct = np.linspace(-1, 1, 8).astype(np.float32)
+
+    def step(x, y, c):
+        gx, gy = jax.grad(lambda x, y: jnp.vdot(f(x, y), c), argnums=(0, 1))(x, y)
+        hxx = jax.grad(lambda x: jnp.vdot(jax.grad(lambda x: jnp.vdot(f(x, y), c))(x), c))(x)
+        return gx, gy, hxx
+
+    gx, gy, hxx = _rep(step, 2, loss_reduction=reduction)(
+        rt.distribute(x, 2), y, rt.distribute(ct, 2))
+    sm = jax.shard_map(f, mesh=_mesh(2), in_specs=(P('x'), P(None)), out_specs=P('x'))
+    wx, wy = jax.grad(lambda x, y: jnp.vdot(sm(x, y), ct), argnums=(0, 1))(x, y)
+    whxx = jax.grad(lambda x: jnp.vdot(jax.grad(lambda x: jnp.vdot(sm(x, y), ct))(x), ct))(x)
+    np.testing.assert_allclose(_blocks(gx, 2), wx, rtol=1e-5)
+    np.testing.assert_allclose(_blocks(hxx, 2), whxx, rtol=1e-5)
+    assert not isinstance(gy, rt.PerReplica)
+    np.testing.assert_allclose(np.asarray(gy), wy / (2 if reduction == "mean" else 1),
+                               rtol=1e-5)
+
+
+def test_axis_index():
+    """``test_axis_index`` (GPU/TPU there): a step with no arguments."""
+    out = _rep(lambda: jax.lax.axis_index('x')[None], 4)()
+    np.testing.assert_array_equal(_blocks(out, 4), np.arange(4))
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.everything_saveable],
+                         ids=["remat", "everything_saveable"])
+def test_remat_basic(policy):
+    """``test_remat_basic``: the gradient through ``jax.remat`` (with and without a
+    saving policy) of ``sin(sin(x))``."""
+    x = np.arange(4., dtype=np.float32)
+    f = jax.remat(lambda x: jnp.sin(jnp.sin(x)), policy=policy)
+    g = _blocks(_rep(lambda x: jax.grad(lambda x: f(x).sum())(x), 4)(rt.distribute(x, 4)), 4)
+    np.testing.assert_allclose(g, np.cos(np.sin(x)) * np.cos(x), atol=1e-3, rtol=1e-3)
+
+
+def test_psum_transpose_non_zero_cts():
+    """``test_psum_transpose_non_zero_cts``: a psum whose result the loss does not read."""
+    def f1(x_block):
+        return x_block, jax.lax.psum(x_block, axis_name='x')
+
+    def step(x):
+        return jax.grad(lambda x: f1(x)[0].sum())(x)
+
+    x1 = np.arange(16., dtype=np.float32)
+    np.testing.assert_array_equal(_blocks(_rep(step, 8)(rt.distribute(x1, 8)), 8), np.ones(16))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_fanout_specs_transpose_to_psum(reduction):
+    """``in_specs=P(), out_specs=P('x')`` of the identity: its transpose sums the replicas'
+    cotangents (JAX: 0 + 1 + 2 + 3 = 6); a mirrored input's gradient under ``"mean"``:
+    6 / 4."""
+    def step(x, ct):
+        return jax.vjp(lambda x: lax.pcast(x, 'x', to='varying'), x)[1](ct)[0]
+
+    sm = jax.shard_map(lambda x: x, mesh=_mesh(4), in_specs=P(), out_specs=P('x'))
+    want = jax.vjp(sm, jnp.arange(1.))[1](jnp.arange(4.))[0]
+    got = _rep(step, 4, loss_reduction=reduction)(np.arange(1., dtype=np.float32),
+                                                  rt.distribute(np.arange(4., dtype=np.float32), 4))
+    assert not isinstance(got, rt.PerReplica)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want) / (4 if reduction == "mean" else 1))
+    np.testing.assert_allclose(np.asarray(want), [6.])
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_fanin_psum_transposes_to_fanout(reduction):
+    """``in_specs=P('x'), out_specs=P()`` of ``psum``: JAX's cotangent of every block is the
+    output's (1). In a step the output is identical on every replica, so its seed counts
+    once per replica (TF): each block's gradient is 4, under either reduction (per-replica
+    inputs' gradients are not scaled)."""
+    def step(x, ct):
+        return jax.vjp(lambda x: lax.psum(x, 'x'), x)[1](ct)[0]
+
+    sm = jax.shard_map(lambda x: lax.psum(x, 'x'), mesh=_mesh(4), in_specs=P('x'), out_specs=P())
+    want = jax.vjp(sm, jnp.arange(4.))[1](jnp.array([1.]))[0]
+    got = _rep(step, 4, loss_reduction=reduction)(
+        rt.distribute(np.arange(4., dtype=np.float32), 4), np.array([1.], np.float32))
+    np.testing.assert_allclose(np.asarray(want), np.ones(4))
+    np.testing.assert_allclose(_blocks(got, 4), 4 * np.asarray(want))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_psum_with_implicit_fanout_self_transposes(reduction):
+    """``in_specs=P('x'), out_specs=P('x')`` of ``psum``: each replica's cotangent of its
+    copy of the sum flows to every block (JAX: 6 each); the same in a step."""
+    def step(x, ct):
+        return jax.vjp(lambda x: lax.pcast(lax.psum(x, 'x'), 'x', to='varying'), x)[1](ct)[0]
+
+    sm = jax.shard_map(lambda x: lax.psum(x, 'x'), mesh=_mesh(4), in_specs=P('x'),
+                       out_specs=P('x'))
+    want = jax.vjp(sm, jnp.arange(4.))[1](jnp.arange(4.))[0]
+    got = _rep(step, 4, loss_reduction=reduction)(
+        rt.distribute(np.arange(4., dtype=np.float32), 4),
+        rt.distribute(np.arange(4., dtype=np.float32), 4))
+    np.testing.assert_allclose(np.asarray(want), 6 * np.ones(4))
+    np.testing.assert_allclose(_blocks(got, 4), np.asarray(want))
+
+
+def test_cumsum_and_repeated_psum():
+    """``test_cumsum`` (each block's own cumsum) and ``test_repeated_psum_allowed``
+    (https://github.com/jax-ml/jax/issues/19175: a psum of a psum multiplies by 4)."""
+    x = np.arange(8., dtype=np.float32)
+    np.testing.assert_array_equal(_blocks(_rep(jnp.cumsum, 4)(rt.distribute(x, 4)), 4),
+                                  np.concatenate([np.cumsum(b) for b in np.split(x, 4)]))
+    with pytest.warns(UserWarning, match="already identical on every replica"):
+        y = _rep(lambda x: jax.lax.psum(jax.lax.psum(x, 'x'), 'x'), 4)(
+            rt.distribute(np.arange(4., dtype=np.float32), 4))
+    np.testing.assert_allclose(np.asarray(y), np.arange(4.).sum(keepdims=True) * 4)
+
+
+def test_jacrev_explicit():
+    """``test_jacrev_explicit``: ``jacrev`` in the per-replica rows ``x`` with the mirrored
+    ``w`` an argument: each replica's own Jacobian block."""
+    B, N, H = 20, 6, 8
+    w = np.arange(N * H, dtype=np.float32).reshape(N, H)
+    x = np.arange(B * N, dtype=np.float32).reshape(B, N)
+
+    def f(w, x):
+        return jnp.sum(x @ w, axis=-1)
+
+    def f_jac(w, x):
+        return jax.jacrev(f, argnums=1)(w, x)
+
+    got = _rep(f_jac, 4)(w, rt.distribute(x, 4))
+    sm = jax.jit(jax.shard_map(f_jac, mesh=_mesh(4), in_specs=(P(), P('x', None)),
+                               out_specs=P('x', None)))
+    np.testing.assert_allclose(_blocks(got, 4), sm(w, x), rtol=1e-6)
+    # (x enters linearly: the Jacobian does not depend on it, and comes back as one array)
+    assert not isinstance(got, rt.PerReplica)
+    for xr in np.split(x, 4):
+        np.testing.assert_allclose(np.asarray(got), jax.jacrev(f, argnums=1)(w, xr), rtol=1e-6)
