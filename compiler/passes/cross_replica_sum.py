@@ -22,7 +22,8 @@ Contract:
   merge them all); a ``"mean"`` shows as the division by N that follows;
 - every all-reduce made by transposition (the backward pass) gets ``gradient=True``;
 - a user ``all_reduce(sum)`` of a value already identical on every replica gives a warning
-  naming the source line (a sum multiplies it by N); a ``pmean`` does not;
+  naming the source line (a sum multiplies it by N); a ``pmean`` does not, nor does any
+  sum when N = 1;
 - with ``bucket_bytes > 0``, independent gradient all-reduces of one kind are merged
   into variadic all-reduces of at most that many bytes (see ``_bucket``).
 """
@@ -150,7 +151,8 @@ class CrossReplicaSumPass:
             if name == "all_reduce" and op.attr("reduce") == "sum":
                 if is_t:
                     op = op.with_attrs(gradient=True)
-                elif (all(v.type.replica is Replica.MIRRORED for v in op.operands)
+                elif (self.num_replicas > 1  # (a sum over one replica changes nothing)
+                      and all(v.type.replica is Replica.MIRRORED for v in op.operands)
                       and not self._all_pmean(op, graph, uses)):
                     where = f" ({op.loc})" if op.loc else ""
                     warnings.warn(
