@@ -298,3 +298,157 @@ def test_jacrev_explicit():
     assert not isinstance(got, rt.PerReplica)
     for xr in np.split(x, 4):
         np.testing.assert_allclose(np.asarray(got), jax.jacrev(f, argnums=1)(w, xr), rtol=1e-6)
+
+
+# -- which results are identical on every replica (the *_rep_rule cases) -------------------
+# shard_map checks an out_spec's promise of replication against JAX's own typing; a step
+# makes the same decision itself: a result proven identical on every replica comes back as
+# one array, any other as a PerReplica. The one-axis forms of the source's functions, with
+# x mirrored (P(None)) and y, z per replica (P('x')).
+
+def _is_mirrored(out) -> list[bool]:
+    return [not isinstance(o, rt.PerReplica) for o in out]
+
+
+def _rotating_scan(cast: bool):
+    """The source's ``f``: three carries rotated through a scan; ``cast``: with its
+    ``lax.pcast`` of the mirrored x to varying first, which JAX's own typing needs (a
+    carry must keep its type); a step casts such a carry itself."""
+    def f(x, y, z):
+        x, y, z = x.sum(), y.sum(), z.sum()
+        def body(c, _):
+            c, *cs = c
+            return (*cs, c), None
+        if cast:
+            x = lax.pcast(x, 'x', to='varying')
+        out, _ = jax.lax.scan(body, (x, y, z), None, length=3)
+        return [jnp.expand_dims(a, 0) for a in out]
+    return f
+
+
+def test_scan_rep_rule():
+    """A carry rotated through a scan takes every position's variance (f: all per replica,
+    though the first comes back with x's value after 3 steps; written without the source's
+    ``pcast``, which a step does not need: it casts a carry that becomes varying itself,
+    where plain ``shard_map`` stops at JAX's carry-type error); an identity body keeps
+    each (g: x mirrored, y and z per replica). shard_map agrees: P(None) for g's first result and
+    P('x') for the others are accepted, P(None) for f's first is refused."""
+    f = _rotating_scan(cast=False)
+
+    def g(x, y, z):
+        x, y, z = x.sum(), y.sum(), z.sum()
+        def body(c, _):
+            return c, None
+        out, _ = jax.lax.scan(body, (x, y, z), None, length=1)
+        return [jnp.expand_dims(a, 0) for a in out]
+
+    x = np.arange(4, dtype=np.int32)
+    args = (x, rt.distribute(x, 2), rt.distribute(x, 2))
+    out_f = _rep(f, 2)(*args)
+    assert _is_mirrored(out_f) == [False, False, False]
+    for r, blk in enumerate(np.split(x, 2)):
+        assert [int(np.asarray(o.values[r])[0]) for o in out_f] == [x.sum(), blk.sum(), blk.sum()]
+    out_g = _rep(g, 2)(*args)
+    assert _is_mirrored(out_g) == [True, False, False]
+    jax.shard_map(g, mesh=_mesh(2), in_specs=(P(None), P('x'), P('x')),
+                  out_specs=[P(None), P('x'), P('x')])(x, x, x)
+    f_src = _rotating_scan(cast=True)
+    want = jax.shard_map(f_src, mesh=_mesh(2), in_specs=(P(None), P('x'), P('x')),
+                         out_specs=P('x'))(x, x, x)
+    for o, w in zip(out_f, want):
+        np.testing.assert_array_equal(_blocks(o, 2), w)
+    with pytest.raises(ValueError, match="require replication"):
+        jax.shard_map(f_src, mesh=_mesh(2), in_specs=(P(None), P('x'), P('x')),
+                      out_specs=[P(None), P('x'), P('x')])(x, x, x)
+
+
+def _rotating_while(cast: bool):
+    """The source's ``f`` for ``while_loop`` (see :func:`_rotating_scan`)."""
+    def f(x, y, z):
+        x, y, z = x.sum(), y.sum(), z.sum()
+        def cond(c):
+            i, *_ = c
+            return i < 5
+        def body(c):
+            i, c, *cs = c
+            return (i + 1, *cs, c)
+        if cast:
+            x = lax.pcast(x, 'x', to='varying')
+        _, *out = jax.lax.while_loop(cond, body, (0, x, y, z))
+        return [jnp.expand_dims(a, 0) for a in out]
+    return f
+
+
+def test_while_rep_rule():
+    """The same rotation in a ``while_loop`` (5 steps): every carry per replica (without
+    the source's ``pcast``, as for scan); an identity body keeps x mirrored."""
+    f = _rotating_while(cast=False)
+
+    def g(x, y, z):
+        x, y, z = x.sum(), y.sum(), z.sum()
+        def cond(c):
+            i, *_ = c
+            return i < 1
+        def body(c):
+            i, *cs = c
+            return (i + 1, *cs)
+        _, *out = jax.lax.while_loop(cond, body, (0, x, y, z))
+        return [jnp.expand_dims(a, 0) for a in out]
+
+    x = np.arange(4, dtype=np.int32)
+    args = (x, rt.distribute(x, 2), rt.distribute(x, 2))
+    out_f = _rep(f, 2)(*args)
+    assert _is_mirrored(out_f) == [False, False, False]
+    want = jax.shard_map(_rotating_while(cast=True), mesh=_mesh(2),
+                         in_specs=(P(None), P('x'), P('x')), out_specs=P('x'))(x, x, x)
+    for o, w in zip(out_f, want):
+        np.testing.assert_array_equal(_blocks(o, 2), w)
+    assert _is_mirrored(_rep(g, 2)(*args)) == [True, False, False]
+
+
+def test_cond_rep_rule():
+    """A ``cond`` of a per-replica operand is per replica; of mirrored operands under a
+    per-replica predicate too (the replicas may take different branches); under a
+    mirrored predicate it stays mirrored. And https://github.com/jax-ml/jax/issues/24418:
+    Python constants returned by the branches of a per-replica predicate."""
+    def true_fn(x, y):
+        return x
+
+    def false_fun(x, y):
+        return x + 1
+
+    x = np.arange(4, dtype=np.int32)
+    per = rt.distribute(x, 2)
+    out = _rep(lambda x, y: jax.lax.cond(True, true_fn, false_fun, x, y), 2)(per, x)
+    assert isinstance(out, rt.PerReplica)
+    np.testing.assert_array_equal(_blocks(out, 2), x)
+    # mirrored x, predicate on the per-replica y: per replica
+    out = _rep(lambda x, y: jax.lax.cond(jnp.any(y > 1), true_fn, false_fun, x, y), 2)(x, per)
+    assert isinstance(out, rt.PerReplica)
+    np.testing.assert_array_equal(out.values[0], x + 1)  # y = [0, 1]: false
+    np.testing.assert_array_equal(out.values[1], x)      # y = [2, 3]: true
+    # mirrored x, predicate on the mirrored x: one array
+    out = _rep(lambda x, y: jax.lax.cond(jnp.any(x > 0), true_fn, false_fun, x, y), 2)(x, per)
+    assert not isinstance(out, rt.PerReplica)
+    np.testing.assert_array_equal(np.asarray(out), x)
+
+    def f(a):
+        c = jax.lax.cond(jnp.any(a), lambda: 1, lambda: 0)
+        return jnp.reshape(c, a.shape)
+
+    a = np.array([True, False])
+    got = _blocks(_rep(f, 2)(rt.distribute(a, 2)), 2)
+    np.testing.assert_array_equal(got, [1, 0])
+    np.testing.assert_array_equal(got, jax.shard_map(f, mesh=_mesh(2), in_specs=P('x'),
+                                                     out_specs=P('x'))(a))
+
+
+def test_switch_rep_rule():
+    """``lax.switch`` on a mirrored index over a per-replica operand: per replica."""
+    def f(n, x, y):
+        return jax.lax.switch(
+            n, [lambda x, _: x, lambda x, _: x + 1, lambda x, _: x + 2], x, y)
+
+    x = np.arange(4, dtype=np.int32)
+    out = _rep(f, 2)(np.int32(1), rt.distribute(x, 2), x)
+    np.testing.assert_array_equal(_blocks(out, 2), x + 1)
