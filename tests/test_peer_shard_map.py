@@ -20,8 +20,6 @@ varying in the step with ``lax.pcast(..., to='varying')``, the cast ``out_specs`
 """
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -284,6 +284,27 @@ def check_port(port: Port, n: int, oracle: bool, steps: int = STEPS,
                                f"N={n} step {i} metrics, replicate vs global jit", rtol, atol)
 
 
+def check_against_global(port: Port, n: int, steps: int = STEPS, oracle: Port | None = None,
+                         metric_means: bool = True, what: str = "") -> Any:
+    """A step written for one replica (no collective) run by ``replicate`` on ``n``
+    replicas equals the global-batch step on one device: the state after ``steps`` steps,
+    and (``metric_means``) each step's metrics averaged over the replicas (equal slices of
+    the batch). ``oracle``: the port whose global run is the reference (default ``port``:
+    one that uses ``rt.`` collectives cannot run outside ``replicate``). Returns the
+    oracle's final state, ``[1, ...]`` per leaf."""
+    r_state, r_metrics = train(port, "replicate", n, steps)
+    g_state, g_metrics = train(oracle or port, "global", 1, steps)
+    assert_changed(port.state, g_state, "global jit")
+    want = jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape[1:]), g_state)
+    assert_trees_close(r_state, want, f"N={n} {what} state, replicate vs global jit")
+    if metric_means:
+        for i, (rm, gm) in enumerate(zip(r_metrics, g_metrics)):
+            assert_trees_close(jax.tree.map(lambda m: m.mean(0), rm),
+                               jax.tree.map(lambda m: m[0], gm),
+                               f"N={n} {what} step {i} metrics, mean over replicas")
+    return g_state
+
+
 def make_keys(seed: int, n: int) -> list:
     """``n`` distinct PRNG keys (raw uint32 keys, as pmap code splits them)."""
     return list(jax.random.split(jax.random.PRNGKey(seed), n))

@@ -34,8 +34,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.clients._harness import (REPLICAS, Port, Split, assert_changed,
-                                    assert_trees_close, check_port, train)
+from tests.clients._harness import REPLICAS, Port, Split, check_against_global, check_port
 
 BATCH_SIZE = 32
 STEPS = 3
@@ -140,12 +139,4 @@ def test_train_rnn_pmap_style(n):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("n", REPLICAS)
 def test_train_rnn_written_for_one_replica_equals_the_global_batch(n, optimizer):
-    p = port(pmean=False, optimizer=optimizer)
-    r_state, r_metrics = train(p, "replicate", n, STEPS)
-    g_state, g_metrics = train(p, "global", 1, STEPS)
-    assert_changed(p.state, g_state, "global jit")
-    want = jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape[1:]), g_state)
-    assert_trees_close(r_state, want, f"N={n} RNN state, replicate vs global jit")
-    for i, (rm, gm) in enumerate(zip(r_metrics, g_metrics)):
-        np.testing.assert_allclose(rm.mean(0), gm[0], rtol=2e-5,
-                                   err_msg=f"N={n} step {i}: the loss, mean over replicas")
+    check_against_global(port(pmean=False, optimizer=optimizer), n, STEPS, what="RNN")

@@ -45,8 +45,7 @@ from flax import linen as nn
 from optax import contrib
 
 import runtime as rt
-from tests.clients._harness import (REPLICAS, Port, Split, assert_changed,
-                                    assert_trees_close, check_port, train)
+from tests.clients._harness import REPLICAS, Port, Split, check_against_global, check_port
 
 GLOBAL_BATCH = 32
 IMG_SIZE = (28, 28, 1)
@@ -153,20 +152,12 @@ def test_reduce_on_plateau_pmap_style(n):
 
 @pytest.mark.parametrize("n", REPLICAS)
 def test_the_value_averaged_with_all_reduce_equals_the_global_batch(n):
-    p = port("all_reduce")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", rt.DivergingStateWarning)
-        r_state, r_metrics = train(p, "replicate", n, STEPS)
     # (the oracle: the pmap-style step on the global batch, where every pmean is the
     # identity; rt.all_reduce runs only under replicate)
-    g_state, g_metrics = train(port("pmean"), "global", 1, STEPS)
-    assert_changed(p.state, g_state, "global jit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rt.DivergingStateWarning)
+        g_state = check_against_global(port("all_reduce"), n, STEPS, oracle=port("pmean"))
     assert _scale(g_state)[0] < 1.0, "the plateau was never reached: the test checks nothing"
-    want = jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape[1:]), g_state)
-    assert_trees_close(r_state, want, f"N={n} state, replicate vs global jit")
-    for i, (rm, gm) in enumerate(zip(r_metrics, g_metrics)):
-        np.testing.assert_allclose(rm, np.broadcast_to(gm, rm.shape), rtol=2e-5,
-                                   err_msg=f"N={n} step {i}: the averaged value")
 
 
 def test_the_notebooks_step_warns_that_the_plateau_state_diverges():

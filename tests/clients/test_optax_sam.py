@@ -40,8 +40,7 @@ import pytest
 from flax import struct
 from optax import contrib
 
-from tests.clients._harness import (REPLICAS, Port, Split, assert_changed,
-                                    assert_trees_close, check_port, train)
+from tests.clients._harness import REPLICAS, Port, Split, check_against_global, check_port
 
 GLOBAL_BATCH = 16
 
@@ -150,12 +149,5 @@ def test_sam_written_for_one_replica_equals_the_global_batch(name, opaque):
     """No collective in the step: replicate's gradient all-reduces (SAM's inner one in
     opaque mode too) make it the global-batch step; every step's loss, averaged over the
     replicas (equal slices), is the global batch's."""
-    n = 4
     p, steps = port(name, opaque, pmean=False)
-    r_state, r_metrics = train(p, "replicate", n, steps)
-    g_state, g_metrics = train(p, "global", 1, steps)
-    assert_changed(p.state, g_state, "global jit")
-    want = jax.tree.map(lambda x: numpy.broadcast_to(x, (n,) + x.shape[1:]), g_state)
-    assert_trees_close(r_state, want, f"N={n} {name} state, replicate vs global jit")
-    for i, (rm, gm) in enumerate(zip(r_metrics, g_metrics)):
-        assert_trees_close(rm.mean(0), gm[0], f"N={n} {name} step {i} loss, mean over replicas")
+    check_against_global(p, 4, steps, what=name)
