@@ -450,3 +450,107 @@ def test_switch_rep_rule():
     x = np.arange(4, dtype=np.int32)
     out = _rep(f, 2)(np.int32(1), rt.distribute(x, 2), x)
     np.testing.assert_array_equal(_blocks(out, 2), x + 1)
+
+
+# -- custom derivatives (the test_rewrite_process_custom_* cases) --------------------------
+
+def _foo_jvp():
+    @jax.custom_jvp
+    def foo(x):
+        return 2. * x
+
+    @foo.defjvp
+    def foo_jvp(primals, tangents):
+        (x,), (x_dot,) = primals, tangents
+        return foo(x), 2. * x_dot
+    return foo
+
+
+def _foo_vjp(bwd_ones: bool = False):
+    """The source's ``foo``: ``2 x`` with a custom VJP of ``2 y_bar``, or (``bwd_ones``,
+    ``..._match_more_replicated``) of ones, more replicated than the primal."""
+    @jax.custom_vjp
+    def foo(x):
+        return 2. * x
+
+    def foo_fwd(x):
+        return foo(x), None
+
+    def foo_bwd(_, y_bar):
+        return (jnp.ones_like(y_bar),) if bwd_ones else (2. * y_bar,)
+
+    foo.defvjp(foo_fwd, foo_bwd)
+    return foo
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_rewrite_process_custom_jvp_call(jit):
+    foo = _foo_jvp()
+    g = (lambda x: foo(x) * x)
+    g = jax.jit(g) if jit else g
+    x = np.arange(4., dtype=np.float32)
+
+    def step(x):
+        y2, y_dot = jax.jvp(g, (x,), (3 * x,))
+        return g(x), y2, y_dot
+
+    y, y2, y_dot = (_blocks(o, 4) for o in _rep(step, 4)(rt.distribute(x, 4)))
+    np.testing.assert_allclose(y, 2 * x * x)
+    np.testing.assert_allclose(y2, 2 * x * x)
+    np.testing.assert_allclose(y_dot, 2 * 2 * 3 * x * x)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("case", ["custom_vjp_call", "match_more_replicated", "call_jaxpr"])
+def test_rewrite_process_custom_vjp_call(case, jit):
+    """``test_rewrite_process_custom_vjp_call`` (``x_bar = 2 * 2 x``), its
+    ``_match_more_replicated`` form (a backward function returning ones: ``1 + 2 x``) and
+    ``test_rewrite_custom_vjp_call_jaxpr`` (``foo`` inside a scan): the user's backward
+    arithmetic is the user's, never rescaled."""
+    foo = _foo_vjp(bwd_ones=case == "match_more_replicated")
+    if case == "call_jaxpr":
+        inner = foo
+
+        def foo(x):
+            y, _ = jax.lax.scan(lambda x, _: (inner(x), None), x, None, length=1)
+            return y
+    g = (lambda x: foo(x) * x)
+    g = jax.jit(g) if jit else g
+    x = np.arange(4., dtype=np.float32)
+    want_bar = np.ones(4) + 2 * x if case == "match_more_replicated" else 2 * 2 * x
+
+    y_, x_bar = _rep(lambda x: jax.value_and_grad(lambda x: g(x).sum())(x), 4)(
+        rt.distribute(x, 4))
+    assert float(np.sum([np.asarray(v) for v in y_.values])) == float((2 * x * x).sum())
+    np.testing.assert_allclose(_blocks(x_bar, 4), want_bar)
+    sm = jax.shard_map(g, mesh=_mesh(4), in_specs=(P('x'),), out_specs=P('x'))
+    np.testing.assert_allclose(_blocks(x_bar, 4), jax.grad(lambda x: sm(x).sum())(x))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("bwd_ones", [False, True], ids=["2y_bar", "ones"])
+def test_custom_vjp_of_a_mirrored_input(bwd_ones, reduction):
+    """Not in the source: the same ``foo`` applied to a *mirrored* input (``in_specs=P()``)
+    times per-replica data, the case where gradients once came out n times too large.
+    JAX's derivative of the global program (``shard_map`` differentiated outside) is the
+    oracle under ``"sum"``, and 1/n of it under ``"mean"``."""
+    foo = _foo_vjp(bwd_ones)
+    w = np.array([0.5, -1.0, 2.0, 1.5], np.float32)
+    x = np.arange(16., dtype=np.float32).reshape(4, 4) / 10
+
+    def loss(w, x):
+        return jnp.sum(foo(w) * x)
+
+    got = _rep(lambda w, x: jax.grad(loss)(w, x), 4, loss_reduction=reduction)(
+        w, rt.distribute(x, 4))
+    assert not isinstance(got, rt.PerReplica)
+    sm = jax.shard_map(lambda w, x: loss(w, x)[None], mesh=_mesh(4), in_specs=(P(), P('x')),
+                       out_specs=P('x'))
+    want = jax.grad(lambda w: sm(w, x).sum())(w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want) / (4 if reduction == "mean" else 1),
+                               rtol=1e-6)
+    # and by hand: foo(w) is one value, cast to varying where it meets the data, so its
+    # backward function runs once, on the cotangent summed over the replicas
+    y_bar = np.sum(x, 0)
+    np.testing.assert_allclose(np.asarray(want), np.ones(4) if bwd_ones else 2 * y_bar,
+                               rtol=1e-6)
