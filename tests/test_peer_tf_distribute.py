@@ -7,7 +7,10 @@ step has (TF's ``TPUStrategy`` semantics are this project's contract):
 * ``tensorflow/python/distribute/strategy_common_test.py``: ``ReduceTest`` (``testBasic``,
   ``testAxis``), ``ReplicaCtxAllReduceTest.testBasic``, ``StrategyTest``'s replica id, and
   ``DistributedCollectiveAllReduceStrategyTest``'s reduce of a host value and its last
-  partial batch (there on two workers; here two replicas).
+  partial batch (there on two workers; here two replicas);
+* ``tensorflow/python/distribute/custom_training_loop_metrics_test.py``
+  (``KerasMetricsTest``): a Keras ``Mean`` metric (its ``total`` and ``count`` are
+  sync-on-read SUM variables) updated inside the step: ``rt.SyncOnRead``.
 
 How TF maps: ``strategy.run(fn, args)`` is a call of ``rt.replicate(fn)``; a distributed
 dataset's batch is ``rt.distribute`` of the global batch (``rt.distribute_uneven`` for a
@@ -142,3 +145,47 @@ def test_simple_input_last_partial_batch():
     assert [v.tolist() for v in _local_results(first, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     last = step(rt.distribute_uneven(data[8:], 2))
     assert [v.tolist() for v in _local_results(last, 2)] == [[8, 9, 10], [11, 12, 13]]
+
+
+# -- custom_training_loop_metrics_test.py --------------------------------------------------
+
+def _mean_metric(n):
+    """A Keras ``Mean``: ``total`` and ``count``, per replica, summed when read."""
+    return rt.SyncOnRead({"total": np.float32(0), "count": np.float32(0)}, aggregation="sum",
+                         num_replicas=n)
+
+
+def _update_state(metric, values):
+    values = jnp.asarray(values, jnp.float32)
+    return metric.update(lambda v: {"total": v["total"] + jnp.sum(values),
+                                    "count": v["count"] + values.size})
+
+
+def _result(metric):
+    read = metric.read()
+    return float(read["total"] / read["count"])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_multiple_keras_metrics(n):
+    """``test_multiple_keras_metrics_experimental_run``: two ``Mean`` metrics updated with a
+    loss of 5.0 on every replica both read 5.0."""
+    def step_fn(loss_metric, loss_metric_2):
+        loss = jnp.float32(5.0)
+        return _update_state(loss_metric, loss), _update_state(loss_metric_2, loss)
+
+    m1, m2 = rt.replicate(step_fn, num_replicas=n)(_mean_metric(n), _mean_metric(n))
+    assert _result(m1) == _result(m2) == 5.0
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_update_keras_metric_declared_in_strategy_scope(n):
+    """``test_update_keras_metric_declared_in_strategy_scope``: ``range(10).batch(2)``
+    distributed, each replica's slice of each batch added to the metric: the mean of 0-9,
+    4.5 (sum 45, count 10)."""
+    step = rt.replicate(_update_state, num_replicas=n)
+    metric = _mean_metric(n)
+    for batch in np.split(np.arange(10, dtype=np.float32), 5):
+        metric = step(metric, rt.distribute(batch, n))
+    assert _result(metric) == 4.5
+    assert float(metric.read()["count"]) == 10
