@@ -554,3 +554,76 @@ def test_custom_vjp_of_a_mirrored_input(bwd_ones, reduction):
     y_bar = np.sum(x, 0)
     np.testing.assert_allclose(np.asarray(want), np.ones(4) if bwd_ones else 2 * y_bar,
                                rtol=1e-6)
+
+
+# -- single ops and effects (the "doesn't crash" cases, with their values) -----------------
+
+def test_conv_general_dilated():
+    """A convolution used as a matmul over the split contraction, then psum: ``a @ b``."""
+    dot = lambda x, y: lax.conv_general_dilated(  # noqa: E731
+        x, y, window_strides=(), padding='VALID', dimension_numbers=('NC', 'IO', 'NC'))
+
+    def f(x, y):
+        return lax.psum(dot(x, y), 'x')
+
+    a = np.ones((16, 32), np.float32)
+    b = np.ones((32, 8), np.float32)
+    cols = rt.PerReplica([np.ascontiguousarray(blk) for blk in np.split(a, 4, axis=1)])
+    y = _rep(f, 4)(cols, rt.distribute(b, 4))
+    assert not isinstance(y, rt.PerReplica)
+    np.testing.assert_allclose(np.asarray(y), a @ b, atol=1e-2, rtol=1e-2)
+
+
+def test_custom_jvp_inside_jit_random_erf_approx_top_k():
+    """``test_custom_jvp_inside_jit`` (``jax.jit(jax.nn.relu)``), ``test_random_normal_rules``
+    (one key per replica), ``test_erf_rules`` and ``test_approx_top_k``, each against
+    ``shard_map``'s result."""
+    x = np.arange(16., dtype=np.float32) - 8
+    for fn in (jax.jit(jax.nn.relu), jax.lax.erf):
+        sm = jax.shard_map(fn, mesh=_mesh(4), in_specs=P('x'), out_specs=P('x'))
+        np.testing.assert_allclose(_blocks(_rep(fn, 4)(rt.distribute(x, 4)), 4), sm(x),
+                                   rtol=1e-6)
+    keys = jax.random.split(jax.random.key(0), 4)
+    normal = lambda k: jax.random.normal(k[0], (1,))  # noqa: E731
+    got = _rep(normal, 4)(rt.PerReplica([keys[r:r + 1] for r in range(4)]))
+    want = jax.shard_map(normal, mesh=_mesh(4), in_specs=P('x'), out_specs=P('x'))(keys)
+    np.testing.assert_allclose(_blocks(got, 4), want, rtol=1e-6)
+    xk = np.array([3.0, 1.0, 4.0, 2.0], np.float32)
+    topk = lambda x: lax.approx_max_k(x, 1)  # noqa: E731
+    got = _rep(topk, 2)(rt.distribute(xk, 2))
+    want = jax.shard_map(topk, mesh=_mesh(2), in_specs=P('x'), out_specs=P('x'))(xk)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(_blocks(g, 2), w)
+
+
+def test_debug_print_and_pure_callback(capfd):
+    """``test_debug_print_jit`` (every replica prints, with its index) and
+    ``test_pure_callback_return_multiple_arrays`` (a host function returning two arrays,
+    called per replica)."""
+    def f(x):
+        idx = jax.lax.axis_index('x')
+        jax.debug.print("instance {i} has value x={x}", i=idx, x=x)
+        y = jnp.cos(x)
+        jax.debug.print("instance {i} has value y={y}", i=idx, y=y)
+        return y
+
+    x = np.arange(8, dtype=np.float32)
+    y = _rep(f, 4)(rt.distribute(x, 4))
+    jax.block_until_ready(y)
+    jax.effects_barrier()
+    out = capfd.readouterr().out
+    for i in range(4):
+        assert f'instance {i} has value' in out
+    np.testing.assert_allclose(_blocks(y, 4), np.cos(x), rtol=1e-6)
+
+    def host_kernel(arr: np.ndarray):
+        return arr + 1, arr * 2.0
+
+    def per_shard(x_shard):
+        spec = jax.ShapeDtypeStruct(x_shard.shape, x_shard.dtype)
+        return jax.pure_callback(host_kernel, (spec, spec), x_shard)
+
+    x = np.arange(32, dtype=np.float32).reshape(16, 2)
+    a, b = _rep(per_shard, 2)(rt.distribute(x, 2))
+    np.testing.assert_array_equal(_blocks(a, 2), x + 1)
+    np.testing.assert_array_equal(_blocks(b, 2), x * 2)
