@@ -65,13 +65,13 @@ def watching_local_views() -> Iterator[list]:
         _LOCAL_VIEWS.reset(token)
 
 
-def check_diverging_state(fn_name: str, in_treedef: Any, in_layout: Sequence[Any],
-                          in_types: Sequence[tuple], out_treedef: Any, graph: Graph) -> None:
+def check_diverging_state(fn_name: str, in_treedef: Any, in_sigs: Sequence[tuple | None],
+                          out_treedef: Any, graph: Graph) -> None:
     """Warn (:class:`DivergingStateWarning`) for each result ``i`` that has argument
     ``i``'s structure, shapes and dtypes, where argument ``i`` came in mirrored and some
     of the result's leaves are varying. ``in_treedef``: the arguments' (a tuple);
-    ``in_layout``: per argument leaf, ``None`` when mirrored; ``in_types``: per argument
-    leaf, ``(shape, dtype)`` (used for mirrored leaves only); ``graph``: the program's IR
+    ``in_sigs``: per argument leaf, its signature (``runtime.program.leaf_sig``: shape,
+    dtype, ...) when mirrored, ``None`` when per replica; ``graph``: the program's IR
     after the passes, whose outputs are the flat results of ``out_treedef``."""
     if not _is_sequence(out_treedef) or not _is_sequence(in_treedef):
         return
@@ -85,11 +85,12 @@ def check_diverging_state(fn_name: str, in_treedef: Any, in_layout: Sequence[Any
         first_out, out_leaf = out_leaf, out_leaf + o.num_leaves
         if i >= len(args) or args[i] != o or o.num_leaves == 0:
             continue
-        a0 = starts[i]
-        if any(in_layout[a0 + k] is not None for k in range(o.num_leaves)):
+        sigs = in_sigs[starts[i]:starts[i] + o.num_leaves]
+        if any(sig is None for sig in sigs):
             continue  # per-replica in: varying out is what it was
         values = graph.outputs[first_out:out_leaf]
-        if any(_shape_dtype(v) != tuple(in_types[a0 + k]) for k, v in enumerate(values)):
+        if any(tuple(v.type.shape) != tuple(sig[0]) or v.type.dtype != str(sig[1])
+               for v, sig in zip(values, sigs)):
             continue
         varying = [k for k, v in enumerate(values) if v.type.replica is not Replica.MIRRORED]
         if not varying:
@@ -123,7 +124,7 @@ def _origin(graph: Graph, value: Any) -> Any:
     step's ops): the innermost op with a source line, or ``None``."""
     loc = None
     for _ in range(64):  # (nesting depth; a region's output is its own value)
-        op = next((o for o in reversed(graph.ops) if value in o.results), None)
+        op = graph.producers().get(value)
         if op is None:
             return loc
         if op.loc is not None and op.loc.line:
@@ -135,11 +136,10 @@ def _origin(graph: Graph, value: Any) -> Any:
     return loc
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: frames of these folders are ours or JAX's: a warning names the first frame outside them
-_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                  for m in (sys.modules[__name__], sys.modules["ir.graph"], jax))
-_OWN_DIRS += (os.path.dirname(os.path.dirname(_OWN_DIRS[0])) + os.sep + "compiler" + os.sep,
-              os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py")
+_OWN_DIRS = tuple(os.path.join(_ROOT, d) + os.sep for d in ("runtime", "compiler", "ir")) + (
+    os.path.dirname(os.path.abspath(jax.__file__)) + os.sep, os.path.abspath(contextlib.__file__))
 
 
 def _user_level() -> int:
@@ -157,6 +157,3 @@ def _is_sequence(treedef: Any) -> bool:
     node = treedef.node_data()
     return node is not None and node[0] in (tuple, list)
 
-
-def _shape_dtype(v: Any) -> tuple:
-    return tuple(v.type.shape), v.type.dtype

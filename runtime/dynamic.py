@@ -583,9 +583,8 @@ class DynamicPath:
                          dump_dir=rep._dump_folder(key, "ir") if len(key) > 1 else "")
         final = pm.run(graph, import_seconds=t_import)
         if not local_views:  # a result in a mirrored argument's place that comes out varying
-            check_diverging_state(rep.__name__, treedef, per_leaf,
-                                  [None if info is not None else
-                                   (tuple(leaf_sig(x)[0]), str(leaf_sig(x)[1]))
+            check_diverging_state(rep.__name__, treedef,
+                                  [None if info is not None else leaf_sig(x)
                                    for x, info in zip(leaves, per_leaf)], out_td, final)
         out_varying = [v.type.replica is not Replica.MIRRORED for v in final.outputs]
         out_ranks = [v.type.rank for v in final.outputs]

@@ -449,8 +449,8 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
                      keep="ends" if keep else False)
     final = pm.run(graph, import_seconds=t_import)
     if not local_views:  # a result in a mirrored argument's place that comes out varying
-        check_diverging_state(getattr(rep, "__name__", "step"), treedef, in_layout,
-                              [None if lay is not None else (tuple(sig[0]), str(sig[1]))
+        check_diverging_state(getattr(rep, "__name__", "step"), treedef,
+                              [None if lay is not None else sig
                                for lay, sig in zip(in_layout, key[1])],
                               out_info["treedef"], final)
     out_varying = [v.type.replica is not Replica.MIRRORED for v in final.outputs]
