@@ -285,13 +285,14 @@ def check_port(port: Port, n: int, oracle: bool, steps: int = STEPS,
 
 
 def check_against_global(port: Port, n: int, steps: int = STEPS, oracle: Port | None = None,
-                         metric_means: bool = True, what: str = "") -> Any:
+                         metric_means: bool = True, what: str = "",
+                         metric_tol: tuple[float, float] = (RTOL, ATOL)) -> Any:
     """A step written for one replica (no collective) run by ``replicate`` on ``n``
     replicas equals the global-batch step on one device: the state after ``steps`` steps,
     and (``metric_means``) each step's metrics averaged over the replicas (equal slices of
-    the batch). ``oracle``: the port whose global run is the reference (default ``port``:
-    one that uses ``rt.`` collectives cannot run outside ``replicate``). Returns the
-    oracle's final state, ``[1, ...]`` per leaf."""
+    the batch), to ``metric_tol`` (rtol, atol). ``oracle``: the port whose global run is
+    the reference (default ``port``: one that uses ``rt.`` collectives cannot run outside
+    ``replicate``). Returns the oracle's final state, ``[1, ...]`` per leaf."""
     r_state, r_metrics = train(port, "replicate", n, steps)
     g_state, g_metrics = train(oracle or port, "global", 1, steps)
     assert_changed(port.state, g_state, "global jit")
@@ -301,7 +302,8 @@ def check_against_global(port: Port, n: int, steps: int = STEPS, oracle: Port | 
         for i, (rm, gm) in enumerate(zip(r_metrics, g_metrics)):
             assert_trees_close(jax.tree.map(lambda m: m.mean(0), rm),
                                jax.tree.map(lambda m: m[0], gm),
-                               f"N={n} {what} step {i} metrics, mean over replicas")
+                               f"N={n} {what} step {i} metrics, mean over replicas",
+                               *metric_tol)
     return g_state
 
 
