@@ -43,12 +43,15 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from ir import _jax_compat as jc
 from ir.graph import Graph
-from ir.jaxpr_import import REPLICA_AXIS, import_jaxpr
-from ir.types import Replica
+from ir.jaxpr_import import REPLICA_AXIS, check_layout, import_jaxpr, type_of_aval
+from ir.types import Replica, Sharding
 
 #: the number of replicas of the step being traced (read by ``runtime.num_replicas()``)
 CURRENT_NUM_REPLICAS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "num_replicas", default=None)
+#: the sharding annotation primitive (``rt.split_to_logical_devices`` and the others, and
+#: a replicating layout the step asks JAX for); imports as ``shard {sharding, annotation}``
+SHARD = jc.define_annotation_primitive("shard")
 #: ``loss_scale(x) {replicas=a, reduction=b}``: x · N^a · r^b, with r = 1/N for
 #: ``loss_reduction="mean"`` and 1 for ``"sum"``; the ``cross-replica-sum`` pass replaces it
 LOSS_SCALE = jc.define_scale_primitive("loss_scale")
@@ -95,6 +98,41 @@ CURRENT_AXIS: contextvars.ContextVar[str] = contextvars.ContextVar("axis", defau
 def current_axis() -> str:
     """The replica axis's name in the step being traced (see ``CURRENT_AXIS``)."""
     return CURRENT_AXIS.get()
+
+
+def _replica_layout(what: str, bind: Callable, args: tuple, params: dict) -> Any:
+    """A layout the step's code asks JAX for while a replica is traced
+    (``jc.install_layout_hook``): ``jax.lax.with_sharding_constraint`` (what
+    ``eqx.filter_shard`` and code written for ``jax.jit`` with shardings call),
+    ``jax.sharding.reshard``, ``jax.device_put``. Its mesh names the devices of every
+    replica, or others; a replica's program has no use for them. A layout that splits
+    is a ``ShardingConstraintError`` naming the user's line (``check_layout``): nothing
+    the user asked to split is replicated silently. One that replicates is the
+    replicated annotation, over the replica's logical devices (as
+    ``rt.replicate_to_logical_devices``); a device, or only ``P.UNCONSTRAINED`` dims,
+    leaves the value as it is. A layout never changes a value, so the numbers are
+    ``jax.jit``'s either way."""
+    axis = CURRENT_AXIS.get()
+
+    def check(x: Any, sharding: Any) -> None:
+        if jc.is_sharding(sharding) and not sharding.is_fully_replicated:
+            aval = jax.typeof(x)
+            rep = Replica.VARYING if jc.varies_over(aval, axis) else Replica.MIRRORED
+            check_layout(what, sharding, type_of_aval(aval, rep),
+                         jc.user_call_site(jc.current_source_info().traceback))
+
+    def annotate(x: Any) -> Any:
+        return SHARD.bind(x, sharding=Sharding.replicated(), annotation=what)
+
+    if what == "jax.device_put":
+        outs = []
+        for x, dst in zip(args, params.get("devices", (None,) * len(args))):
+            check(x, dst)
+            outs.append(annotate(x) if jc.is_sharding(dst) else x)
+        return outs
+    sharding = params.get("sharding", params.get("dst_sharding"))
+    check(args[0], sharding)
+    return args[0] if params.get("unconstrained_dims") else annotate(args[0])
 
 
 @dataclass(frozen=True)
@@ -147,12 +185,17 @@ def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[Leaf
     jc.install_vjp_hook(_pullback)
     jc.install_custom_vjp_sum()
     jc.install_vmap_axis_collectives()
+    jc.install_layout_hook()
 
     def trace():
-        with replica_context(num_replicas, logical_devices, axis_name), \
-                jc.varying_loop_carries(), jc.grad_mode("replica"):
-            jax.make_jaxpr(jax.shard_map(outer, mesh=mesh, in_specs=(), out_specs=(),
-                                         check_vma=True))()
+        layouts = jc.LAYOUT_HOOK.set(_replica_layout)
+        try:
+            with replica_context(num_replicas, logical_devices, axis_name), \
+                    jc.varying_loop_carries(), jc.grad_mode("replica"):
+                jax.make_jaxpr(jax.shard_map(outer, mesh=mesh, in_specs=(), out_specs=(),
+                                             check_vma=True))()
+        finally:
+            jc.LAYOUT_HOOK.reset(layouts)
     try:
         trace()
     except (NameError, AssertionError, KeyError) as e:

@@ -492,6 +492,55 @@ def user_location(eqn: Any) -> tuple[str, int] | None:
     return frame.file_name, frame.start_line
 
 
+def user_call_site(traceback: Any) -> str:
+    """Where the user's code is in ``traceback`` (an equation's ``source_info.traceback``,
+    or the current one's), for an error: ``model.py:12``, or, when the innermost user
+    frame is a library's (``site-packages``: equinox's ``filter_shard``),
+    ``_sharding.py:43 (equinox), called from model.py:12``; ``""`` when unknown."""
+    frames = list(_siu.user_frames(traceback))
+    if not frames:
+        return ""
+
+    def short(f: Any) -> str:
+        return f"{os.path.basename(f.file_name)}:{f.start_line}"
+
+    def in_library(f: Any) -> bool:
+        return any(d in f.file_name for d in (f"{os.sep}site-packages{os.sep}",
+                                              f"{os.sep}dist-packages{os.sep}"))
+    first = frames[0]
+    if not in_library(first):
+        return short(first)
+    package = first.file_name.split("-packages" + os.sep, 1)[1].split(os.sep, 1)[0]
+    caller = next((f for f in frames if not in_library(f)), None)
+    return short(first) + f" ({package})" + (f", called from {short(caller)}" if caller else "")
+
+
+#: while a replica is traced: what handles a layout the step's code asks JAX for
+#: (``install_layout_hook``): ``hook(what, bind, args, params)``, ``None`` outside
+LAYOUT_HOOK: contextvars.ContextVar[Any] = contextvars.ContextVar("layout_hook", default=None)
+
+
+def install_layout_hook() -> None:
+    """Route the binds of ``sharding_constraint`` (``jax.lax.with_sharding_constraint``),
+    ``reshard`` (``jax.sharding.reshard``) and ``device_put`` (``jax.device_put``)
+    through :data:`LAYOUT_HOOK` while it is set (idempotent). Their layouts name a mesh
+    of devices, which a replica's trace must not see: JAX types the result on that mesh,
+    and a later op or the gradient mixing it with the replica's own mesh fails inside
+    JAX (``use_abstract_mesh cannot change the size of the mesh``)."""
+    from jax._src import dispatch, pjit
+    for prim, what in ((pjit.sharding_constraint_p, "with_sharding_constraint"),
+                       (pjit.reshard_p, "jax.sharding.reshard"),
+                       (dispatch.device_put_p, "jax.device_put")):
+        if getattr(prim.bind, "_replicate_hlo", False):
+            continue
+
+        def bind(*args, _orig=prim.bind, _what=what, **params):
+            hook = LAYOUT_HOOK.get()
+            return _orig(*args, **params) if hook is None else hook(_what, _orig, args, params)
+        bind._replicate_hlo = True
+        prim.bind = bind
+
+
 def eager_constant_folding(on: bool):
     """Context manager: JAX's constant folding of ops whose operands are all constants,
     during staging (off by default)."""
@@ -563,6 +612,11 @@ def to_varying(x: Any, axes: str | frozenset) -> Any:
 
 def is_sharding(v: Any) -> bool:
     return isinstance(v, jax.sharding.Sharding)
+
+
+def is_unconstrained(entry: Any) -> bool:
+    """Is a ``PartitionSpec`` entry ``P.UNCONSTRAINED`` (no constraint on that dim)?"""
+    return entry is jax.sharding.PartitionSpec.UNCONSTRAINED
 
 
 def replica_sds(shape: tuple, dtype: Any, varying_axes_: frozenset, weak_type: bool = False):

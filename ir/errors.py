@@ -20,3 +20,9 @@ class IRParseError(IRError, ValueError):
 
 class ImportError_(IRError):
     """A JAX program could not be imported into the IR."""
+
+
+class ShardingConstraintError(IRError, ValueError):
+    """A sharding constraint inside a replicated step that splits a value over devices:
+    the step runs per replica, so a layout over the devices of every replica has no
+    meaning there (the message names the user's line, the value and the layout)."""

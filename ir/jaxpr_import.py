@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from ir import _jax_compat as jc
-from ir.errors import ImportError_
+from ir.errors import ImportError_, ShardingConstraintError
 from ir.graph import Graph, Loc, Op, RegionRef, Value
-from ir.types import Replica, SymDim, TensorType
+from ir.types import Replica, Sharding, SymDim, TensorType
 
 REPLICA_AXIS = "replica"
 
@@ -162,6 +162,13 @@ class _Importer:
             operands = tuple([env[a] for a in eqn.invars])
         except (KeyError, TypeError):  # a literal (a constant op), or undefined (an error)
             operands = tuple([self.read(a, ops) for a in eqn.invars])
+        if eqn.primitive.name == "sharding_constraint":
+            self.sharding_constraint(eqn, operands[0], ops)
+            return
+        if eqn.primitive.name == "device_put":  # a layout inside jit: the same rule
+            for d, v in zip(eqn.params.get("devices", ()), operands):
+                check_layout("jax.device_put", d, v.type, jc.user_call_site(
+                    eqn.source_info.traceback))
         results, traced = [], []
         for var in eqn.outvars:
             t, varies = self.typed(var.aval)
@@ -196,6 +203,29 @@ class _Importer:
                 name, attrs = "replica_id", []
         ops.append(Op(name, operands, tuple(results), tuple(attrs), loc, tuple(regions),
                       impl=eqn.primitive, traced_varying=tuple(traced)))
+
+    def sharding_constraint(self, eqn: Any, operand: Value, ops: list[Op]) -> None:
+        """``jax.lax.with_sharding_constraint`` (``eqx.filter_shard``, flax's logical
+        constraints) in a replica's program. Its layout names devices of every replica
+        (the step's mesh, or any other), which a replica's program has no use for; it
+        never changes a value, so: one that replicates becomes the IR's annotation
+        ``shard {replicated}`` (over the replica's logical devices, as
+        ``rt.replicate_to_logical_devices`` gives); one whose only constraint-free dims
+        are ``P.UNCONSTRAINED`` leaves the value as it is; one that splits is a
+        :class:`ShardingConstraintError` naming the line: the value here is the replica's
+        own part (a batch is split over the replicas already), and splitting it over a
+        replica's logical devices is ``rt.split_to_logical_devices``'s."""
+        check_layout("with_sharding_constraint", eqn.params.get("sharding"), operand.type,
+                     jc.user_call_site(eqn.source_info.traceback))
+        if eqn.params.get("unconstrained_dims"):
+            self.env[eqn.outvars[0]] = operand
+            return
+        t, varies = self.typed(eqn.outvars[0].aval)
+        v = self.env[eqn.outvars[0]] = Value(t)
+        ops.append(Op("shard", (operand,), (v,),
+                      (("sharding", Sharding.replicated()),
+                       ("annotation", "with_sharding_constraint")), self.loc(eqn),
+                      traced_varying=(varies,)))
 
     def typed(self, aval: Any) -> tuple[TensorType, bool]:
         """The IR type of a result's abstract value, and whether JAX typed it varying over
@@ -255,6 +285,33 @@ class _Importer:
             # lowering re-derives them, so the IR stays mesh-independent.
             return None
         return v
+
+
+def check_layout(what: str, sharding: Any, value_type: TensorType, site: str) -> None:
+    """Raise :class:`ShardingConstraintError` if ``sharding`` (a layout the step's code
+    asks JAX for, ``NamedSharding(mesh, P('batch'))``) splits a value of a replica's
+    program (``value_type``, its per-replica type; ``site``: the user's line). A device,
+    ``None``, a replicated layout or one whose only entries are ``P.UNCONSTRAINED`` pass:
+    a layout never changes a value, and a replica's program keeps these as the
+    replicated annotation (``compiler.trace``) or drops them."""
+    if not jc.is_sharding(sharding) or sharding.is_fully_replicated:
+        return
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and not any(d is not None and not jc.is_unconstrained(d)
+                                    for d in spec):
+        return
+    where = f" at {site}" if site else ""
+    mesh = getattr(sharding, "mesh", None)
+    over = f" over mesh {dict(mesh.shape)}" if mesh is not None else ""
+    raise ShardingConstraintError(
+        f"{what}{where} splits a value of per-replica type {value_type} as "
+        f"{spec if spec is not None else sharding}{over}: inside rt.replicate the step runs "
+        f"once per replica, on the replica's own part of the batch (rt.distribute splits it "
+        f"over the replicas already), so a layout over the devices of every replica has no "
+        f"meaning there. Remove it (a step written for the global batch, as jax.jit with "
+        f"shardings is, also computes its loss over the global batch; under replicate the "
+        f"loss is each replica's, reduced as loss_reduction says); to split a value over a "
+        f"replica's logical devices use rt.split_to_logical_devices(x, dims)")
 
 
 def import_jaxpr(closed: Any, name: str = "main",

@@ -22,6 +22,7 @@ from runtime.sync_on_read import SyncOnRead
 from runtime.dynamic import distribute_uneven
 from runtime import tpu
 from runtime.tpu import CompileOnlyError, DoesNotFitError, tpu_devices
+from ir.errors import ShardingConstraintError
 
 __all__ = [
     "replicate", "Replicated", "RunOptions", "PerReplica", "distribute", "reduce",
@@ -32,5 +33,5 @@ __all__ = [
     "distribute_iterator", "DistributedIterator", "distribute_values_from_function",
     "ValueContext", "distribute_steps", "SyncOnRead", "initialize_distributed",
     "distribute_uneven", "tpu", "tpu_devices", "CompileOnlyError", "DoesNotFitError",
-    "DivergingStateWarning",
+    "DivergingStateWarning", "ShardingConstraintError",
 ]

@@ -15,12 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from compiler.trace import CURRENT_LOGICAL_DEVICES
-from ir import _jax_compat as jc
+from compiler.trace import CURRENT_LOGICAL_DEVICES, SHARD as shard_p
 from ir.types import Sharding
-
-#: the annotation primitive; imports into the IR as ``shard`` {sharding, annotation}
-shard_p = jc.define_annotation_primitive("shard")
 
 
 def _where() -> str:

@@ -199,7 +199,19 @@ def check_arguments(args: tuple, is_per_replica_leaf: Callable[[Any], bool] = No
                                         f"arguments must be arrays or numbers (pytrees of them)")
         elif not is_leaf_value(leaf):
             raise TypeError(f"step argument {where} is {describe(leaf)}; step arguments must "
-                            f"be arrays or numbers (pytrees of them), or rt.PerReplica of those")
+                            f"be arrays or numbers (pytrees of them), or rt.PerReplica of "
+                            f"those{_function_hint(leaf)}")
+
+
+def _function_hint(leaf: Any) -> str:
+    """For a function among a step's argument leaves (an equinox Module's activation,
+    which ``eqx.filter_jit`` treats as static): how to pass it."""
+    if not callable(leaf):
+        return ""
+    return ("; a function is not data: split the arrays off and close over the rest "
+            "(params, static = eqx.partition(model, eqx.is_array), then "
+            "eqx.combine(params, static) in the step), or make the whole argument static "
+            "(replicate(..., static_argnums=...))")
 
 
 class _DictSubclass:
