@@ -831,9 +831,10 @@ class HostPut:
         self.sharding, self.shape = sharding, tuple(shape)
         self._aval = self._devices = self._indices = None
         self._direct = False
+        if getattr(_xc, "batched_device_put", None) is None or sharding is None \
+                or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            return  # (a typed PRNG key's dtype is not NumPy's: ``jax.device_put``'s)
         dtype = np.dtype(dtype)
-        if getattr(_xc, "batched_device_put", None) is None or sharding is None:
-            return
         if jax.dtypes.canonicalize_dtype(dtype) != dtype or dtype == jax.dtypes.float0:
             return
         self._aval = ShapedArray(self.shape, dtype)
@@ -994,6 +995,15 @@ def _cast_branch(fn: Any, axes: list[frozenset]) -> Any:
     return branch
 
 
+def _cast_carry_out(f: Any, axes: list[frozenset]) -> Any:
+    """A scan body ``f(carry, x) -> (carry, y)`` whose carry out is cast to ``axes``."""
+    @functools.wraps(f)
+    def body(carry: Any, x: Any) -> Any:
+        c, y = f(carry, x)
+        return _cast_tree(c, axes), y
+    return body
+
+
 def _to_fixed_point(functions: Any, call: Any) -> Any:
     """``call(functions(None), None)``; while JAX finds that the types of those
     functions' outputs or carries differ only in their varying axes, again with
@@ -1053,13 +1063,20 @@ def _install_varying_promotion() -> None:
         return _to_fixed_point(lambda axes: cast_all(list(branches), axes),
                                lambda fns, _: orig["switch"](index, fns, *operands, **kwargs))
 
+    # a loop's carry takes the union of what varies in and out: the initial carry is cast
+    # (mirrored in, per-replica out: ``h = 0; h = f(h, x_r)``), and so is the body's carry
+    # out (per-replica in, mirrored out: pmap code's ``v = pmean(v) + 1``)
     def while_loop(cond_fun, body_fun, init_val):
-        return _to_fixed_point(lambda _: (body_fun,), lambda _, axes: orig["while_loop"](
-            cond_fun, body_fun, init_val if axes is None else _cast_tree(init_val, axes)))
+        return _to_fixed_point(
+            lambda axes: (body_fun if axes is None else _cast_branch(body_fun, axes),),
+            lambda fns, axes: orig["while_loop"](
+                cond_fun, fns[0], init_val if axes is None else _cast_tree(init_val, axes)))
 
     def scan(f, init, *args, **kwargs):
-        return _to_fixed_point(lambda _: (f,), lambda _, axes: orig["scan"](
-            f, init if axes is None else _cast_tree(init, axes), *args, **kwargs))
+        return _to_fixed_point(
+            lambda axes: (f if axes is None else _cast_carry_out(f, axes),),
+            lambda fns, axes: orig["scan"](
+                fns[0], init if axes is None else _cast_tree(init, axes), *args, **kwargs))
 
     for name, fn in (("cond", cond), ("switch", switch), ("while_loop", while_loop),
                      ("scan", scan)):

@@ -153,8 +153,18 @@ def distribute_uneven(tree: Any, num_replicas: int) -> PerReplica:
     """Split every leaf along axis 0 into ``num_replicas`` nearly equal parts (the first
     ones one longer, as ``numpy.array_split``): an uneven last batch for a dynamic step."""
     leaves, td = jax.tree.flatten(tree)
-    parts = [np.array_split(np.asarray(x), num_replicas, axis=0) for x in leaves]
+    parts = [_array_split(x, num_replicas) for x in leaves]
     return PerReplica([td.unflatten([p[r] for p in parts]) for r in range(num_replicas)])
+
+
+def _array_split(x: Any, n: int) -> list:
+    """``numpy.array_split(x, n)`` along axis 0; an array NumPy cannot hold (typed PRNG
+    keys) is sliced as a ``jax.Array``."""
+    if not (isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)):
+        return np.array_split(np.asarray(x), n, axis=0)
+    q, r = divmod(x.shape[0], n)
+    ends = np.cumsum([0] + [q + (i < r) for i in range(n)])
+    return [x[int(a):int(b)] for a, b in zip(ends[:-1], ends[1:])]
 
 
 # -- the call path ---------------------------------------------------------------------------
@@ -285,6 +295,13 @@ class DynamicPath:
                 shape0, dtype0 = arrs[0].shape, arrs[0].dtype
                 rank = len(shape0)
                 axes = self._axes(arg, rank, j)
+                if axes and jax.dtypes.issubdtype(dtype0, jax.dtypes.extended):
+                    raise TypeError(
+                        f"dynamic shapes: PerReplica argument {arg} leaf {j} holds typed PRNG "
+                        f"keys ({dtype0}{list(shape0)}) with dynamic axes {sorted(axes)}, "
+                        f"which cannot be padded: pass their data (jax.random.key_data(keys), "
+                        f"uint32) and jax.random.wrap_key_data(...) it in the step, or keep "
+                        f"the axes static (RunOptions(dynamic_dims={{{arg}: ()}}))")
                 static_axes = [k for k in range(rank) if k not in axes]
                 bound = leaf_bounds[j]
                 for r, a in enumerate(arrs):

@@ -978,3 +978,57 @@ def test_concurrent_calls_keep_their_own_sizes(monkeypatch):
         t.join()
     assert not errors, errors
     assert len(step._dynamic.planned) <= 2
+
+
+# -- typed PRNG keys (jax.random.key, what flax's examples pass) ----------------------------
+def _noisy_step(w, x, key):
+    eps = jax.random.normal(key, x.shape)
+    return jnp.mean((x + eps) @ w)
+
+
+def test_a_typed_key_per_replica_equals_each_replicas_own_jit():
+    """Before, ``TypeError: Cannot interpret 'key<fry>' as a data type`` from the put of
+    the program's inputs (``HostPut``: a NumPy dtype only). A key per replica has no
+    dynamic axis (rank 0), so nothing is padded."""
+    n = 2
+    w = np.ones((3,), np.float32)
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    keys = list(jax.random.split(jax.random.key(0), n))
+    step = rt.replicate(_noisy_step, num_replicas=n, options=rt.RunOptions(dynamic_shapes=True))
+    got = step(w, rt.distribute_uneven(x, n), rt.PerReplica(keys))
+    want = [float(jax.jit(_noisy_step)(w, p, k)) for p, k in zip(np.array_split(x, n), keys)]
+    np.testing.assert_allclose([float(v) for v in got.values], want, rtol=1e-6)
+
+
+def test_typed_keys_with_a_dynamic_axis_are_an_error_saying_what_to_pass():
+    """Keys cannot be padded: a ``TypeError`` naming the argument, the keys' type and the
+    two ways out; ``distribute_uneven`` splits typed keys (NumPy cannot hold them) as
+    ``numpy.array_split`` splits arrays, and their data, padded, gives each replica's
+    own numbers."""
+    n = 2
+    w = np.ones((3,), np.float32)
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    keys = jax.random.split(jax.random.key(0), 5)
+
+    def per_example(w, x, keys):
+        eps = jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys)
+        return jnp.mean((x + eps) @ w)
+    parts = rt.distribute_uneven(keys, n)
+    assert [p.shape for p in parts.values] == [(3,), (2,)]
+    np.testing.assert_array_equal(jax.random.key_data(parts.values[1]),
+                                  jax.random.key_data(keys[3:]))
+    step = rt.replicate(per_example, num_replicas=n, options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(TypeError, match=r"PerReplica argument 2 leaf 0 holds typed PRNG keys "
+                                        r"\(key<fry>\[3\]\) with dynamic axes \[0\], which "
+                                        r"cannot be padded: pass their data \(jax\.random\."
+                                        r"key_data.*dynamic_dims=\{2: \(\)\}"):
+        step(w, rt.distribute_uneven(x, n), parts)
+
+    def from_data(w, x, data):                # the way out the message gives
+        return per_example(w, x, jax.random.wrap_key_data(data))
+    data = jax.random.key_data(keys)
+    got = rt.replicate(from_data, num_replicas=n, options=rt.RunOptions(dynamic_shapes=True))(
+        w, rt.distribute_uneven(x, n), rt.distribute_uneven(data, n))
+    want = [float(jax.jit(per_example)(w, xp, kp)) for xp, kp in
+            zip(np.array_split(x, n), [keys[:3], keys[3:]])]
+    np.testing.assert_allclose([float(v) for v in got.values], want, rtol=1e-6)

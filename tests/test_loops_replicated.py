@@ -184,3 +184,42 @@ def test_gradient_of_a_mirrored_sequence_all_reduces_its_stacked_steps_once():
     assert _collectives_in_loops(lowered.ir()) == []
     shapes = sorted(c.shape for c in lowered.compile().collectives() if c.kind == "all-reduce")
     assert any(s.startswith("f32[5,3]") or "f32[5,3]" in s for s in shapes), shapes
+
+
+# -- the other direction: a carry that comes in per-replica and leaves mirrored ------------
+def _mean_loops(w):
+    """Loops whose body all-reduces the carry (pmap code's ``v = pmean(v * w) + 1``):
+    the carry comes in per-replica and leaves identical on every replica."""
+    body = lambda v: lax.pmean(v * w, "batch") + 1.0  # noqa: E731
+    return {"fori_loop": lambda v: lax.fori_loop(0, 3, lambda i, v: body(v), v),
+            "scan": lambda v: lax.scan(lambda c, _: (body(c), None), v, None, length=3)[0],
+            "while_loop": lambda v: lax.while_loop(lambda c: c[0] < 3,
+                                                   lambda c: (c[0] + 1, body(c[1])), (0, v))[1]}
+
+
+@pytest.mark.parametrize("loop", ["fori_loop", "scan", "while_loop"])
+def test_loop_with_carry_becoming_mirrored_matches_pmap_and_its_gradient_the_global_one(loop):
+    """Before, JAX's carry-type error (``carry input and carry output must have equal
+    types``): only the initial carry was cast. Now the body's carry out is cast to
+    per-replica too (a cast keeps the value): pmap's numbers, and the gradient of the
+    mean over replicas of the result with respect to a mirrored ``w`` is that of the
+    global program (one device, the replicas' values as a vector)."""
+    n = 4
+    x = np.asarray([0., 2., 5., -1.], np.float32)
+    w = np.float32(0.7)
+    step = rt.replicate(lambda w, v: _mean_loops(w)[loop](v), num_replicas=n, axis_name="batch")
+    got = step(w, rt.PerReplica(list(x)))
+    want = jax.pmap(lambda v: _mean_loops(w)[loop](v), axis_name="batch",
+                    devices=jax.devices()[:n])(x)
+    np.testing.assert_allclose(np.asarray(got.values), np.asarray(want), rtol=1e-6)
+    if loop == "while_loop":  # (no reverse-mode derivative of a while_loop in JAX)
+        return
+
+    def global_program(w, v):                 # the replicas' values as one vector
+        for _ in range(3):
+            v = jnp.broadcast_to(jnp.mean(v * w), v.shape) + 1.0
+        return jnp.mean(v)
+    grad = rt.replicate(jax.grad(lambda w, v: _mean_loops(w)[loop](v)),
+                        num_replicas=n, axis_name="batch")(w, rt.PerReplica(list(x)))
+    np.testing.assert_allclose(float(grad), float(jax.jit(jax.grad(global_program))(w, x)),
+                               rtol=1e-5)
