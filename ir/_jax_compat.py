@@ -1093,6 +1093,91 @@ def _install_varying_promotion() -> None:
                 setattr(module, name, wrapper)
 
 
+def grouped_reduce(x: Any, op: str, groups: list[list[int]], n: int, axis: str) -> Any:
+    """``op`` (sum | mean | max | min) of each leaf of ``x`` within each replica's group
+    of ``groups`` (a partition of ``0..n-1``) over the replica axis ``axis``: every
+    replica's value is gathered, and the members of this replica's group reduced (exact;
+    one all-gather). Under ``shard_map``'s value-variance types JAX has no grouped
+    ``psum`` of a per-replica value (a bare ``NotImplementedError``)."""
+    member = np.zeros((n, n), bool)
+    for g in groups:
+        for r in g:
+            member[r, g] = True
+
+    def one(a):
+        everyone = jax.lax.all_gather(a, axis, axis=0, tiled=False)   # [n, ...]
+        me = jax.lax.axis_index(axis)
+        mask = jax.numpy.asarray(member)[me]
+        mask = mask.reshape((n,) + (1,) * (everyone.ndim - 1))
+        if op in ("sum", "mean"):
+            out = jax.numpy.sum(jax.numpy.where(mask, everyone, 0), axis=0)
+            if op == "mean":  # (this replica's group's size)
+                out = out / jax.numpy.asarray(member.sum(1), out.dtype)[me]
+            return out
+        fill = -jax.numpy.inf if op == "max" else jax.numpy.inf
+        if not jax.numpy.issubdtype(everyone.dtype, jax.numpy.inexact):
+            info = jax.numpy.iinfo(everyone.dtype)
+            fill = info.min if op == "max" else info.max
+        red = jax.numpy.max if op == "max" else jax.numpy.min
+        return red(jax.numpy.where(mask, everyone, fill), axis=0)
+    return jax.tree.map(one, x)
+
+
+def _install_grouped_sums() -> None:
+    """``lax.psum`` (and so ``lax.pmean``) with ``axis_index_groups`` of a per-replica
+    value over the replica axis: JAX raises a bare ``NotImplementedError`` under the
+    value-variance types a replica is traced with (``bind_psum_invariant``), where
+    ``jax.pmap`` runs it. While a replica is traced that sum is :func:`grouped_reduce`
+    (pmap's numbers); anything else is JAX's own."""
+    from jax._src import mesh as mesh_lib
+    from jax._src.lax import parallel as par
+    orig = par.bind_psum_invariant
+    if getattr(orig, "_replicate_hlo", False):
+        return
+
+    @functools.wraps(orig)
+    def bind_psum_invariant(leaf, *, axes, axis_index_groups, is_async):
+        mesh = mesh_lib.get_abstract_mesh()
+        if axis_index_groups is None or not _VARYING_CARRIES.get() or is_async or \
+                len(axes) != 1 or mesh.empty or axes[0] not in mesh.axis_names:
+            return orig(leaf, axes=axes, axis_index_groups=axis_index_groups,
+                        is_async=is_async)
+        n = dict(mesh.shape)[axes[0]]
+        groups = [[int(r) for r in g] for g in axis_index_groups]
+        if sorted(r for g in groups for r in g) != list(range(n)):
+            return orig(leaf, axes=axes, axis_index_groups=axis_index_groups,
+                        is_async=is_async)
+        return grouped_reduce(leaf, "sum", groups, n, axes[0])
+    bind_psum_invariant._replicate_hlo = True
+    par.bind_psum_invariant = bind_psum_invariant
+
+
+def _install_all_to_all_axes() -> None:
+    """``lax.all_to_all`` with a negative ``split_axis``/``concat_axis``: jax 0.10 makes
+    a wrong equation of it (its untiled form inserts an axis, then counts the negative
+    axes from the new rank) that XLA:CPU crashes on (jax-ml/jax#20125, fixed in 0.11).
+    While a replica is traced, the axes are made non-negative first, as ``rt.all_to_all``
+    does: the numbers of the positive axes on every JAX."""
+    from jax._src.lax import parallel as par
+    orig = par.all_to_all
+    if getattr(orig, "_replicate_hlo", False):
+        return
+
+    @functools.wraps(orig)
+    def all_to_all(x, axis_name, split_axis, concat_axis, **kwargs):
+        if _VARYING_CARRIES.get() and (split_axis < 0 or concat_axis < 0):
+            def one(leaf):
+                rank = np.ndim(leaf)
+                return orig(leaf, axis_name, split_axis % rank if rank else split_axis,
+                            concat_axis % rank if rank else concat_axis, **kwargs)
+            return jax.tree.map(one, x)
+        return orig(x, axis_name, split_axis, concat_axis, **kwargs)
+    all_to_all._replicate_hlo = True
+    for module in (jax.lax, par):
+        if getattr(module, "all_to_all", None) is orig:
+            setattr(module, "all_to_all", all_to_all)
+
+
 @contextlib.contextmanager
 def varying_loop_carries():
     """While active (tracing one replica), loop carries that start mirrored but become
@@ -1102,6 +1187,8 @@ def varying_loop_carries():
     _install_carry_promotion()
     _install_varying_promotion()
     _install_call_inlining()
+    _install_all_to_all_axes()
+    _install_grouped_sums()
     token = _VARYING_CARRIES.set(True)
     try:
         yield
@@ -1212,6 +1299,47 @@ def install_vjp_hook(policy: Any) -> None:
 
     hooked._replicate_hlo = True
     api._vjp3_bwd = hooked
+    _install_linear_transpose_hook(api, state)
+
+
+def _install_linear_transpose_hook(api: Any, state: Any) -> None:
+    """``jax.linear_transpose`` builds its transpose with ``backward_pass`` directly,
+    not through a pullback: while the mode is ``replica`` its transposed function goes
+    through the same policy as ``jax.vjp``'s (a linear function's transpose is its vjp),
+    so the two agree, as they do under pmap. Before, ``linear_transpose(psum)(c)`` gave
+    ``c`` where the vjp (and pmap) give ``N c``, and a mirrored primal's transpose the sum
+    over replicas where the vjp gives the mean (``loss_reduction="mean"``)."""
+    orig = api.linear_transpose
+
+    @functools.wraps(orig)
+    def linear_transpose(fun, *primals, **kwargs):
+        transposed = orig(fun, *primals, **kwargs)
+        if state.value != "replica" or _VJP_POLICY is None:
+            return transposed
+        in_varying = [varying_axes(api.shaped_abstractify(x))
+                      for x in jax.tree_util.tree_leaves(primals)]
+        out_varying = [varying_axes(a) for a in jax.make_jaxpr(fun)(*primals).out_avals]
+
+        @functools.wraps(transposed)
+        def transposed_fun(out_cotangent):
+            cts, ct_tree = jax.tree_util.tree_flatten(out_cotangent)
+            if len(cts) != len(out_varying):  # a malformed cotangent: JAX's own error
+                return transposed(out_cotangent)
+            back = {}
+
+            def run(new_cts):
+                seeds = [c if n is None else n for c, n in zip(cts, new_cts)]
+                with state("backward"):
+                    res = transposed(jax.tree_util.tree_unflatten(ct_tree, seeds))
+                leaves, back["tree"] = jax.tree_util.tree_flatten(res)
+                return leaves
+            out = _VJP_POLICY(list(cts), out_varying, in_varying, run)
+            return jax.tree_util.tree_unflatten(back["tree"], out)
+        return transposed_fun
+
+    linear_transpose._replicate_hlo = True
+    api.linear_transpose = linear_transpose
+    jax.linear_transpose = linear_transpose
 
 
 # -- custom_vjp backward functions that return a per-replica cotangent ------------------
@@ -1239,9 +1367,16 @@ def _sum_extra_axes(cts: Any, in_tree: Any, in_avals: Sequence[Any]) -> Any:
             continue
         fixed = []
         for leaf, aval in zip(leaves, avals):
-            extra = (varying_axes(jax.typeof(leaf)) - varying_axes(aval)
-                     if isinstance(leaf, jax.Array) or hasattr(leaf, "aval") else ())
-            fixed.append(jax.lax.psum(leaf, tuple(sorted(extra))) if extra else leaf)
+            if not (isinstance(leaf, jax.Array) or hasattr(leaf, "aval")):
+                fixed.append(leaf)
+                continue
+            have, want = varying_axes(jax.typeof(leaf)), varying_axes(aval)
+            extra, missing = have - want, want - have
+            if extra:
+                leaf = jax.lax.psum(leaf, tuple(sorted(extra)))
+            if missing:  # (one cotangent for every replica: pmap code's psum(g))
+                leaf = to_varying(leaf, missing)
+            fixed.append(leaf)
         out.append(jax.tree_util.tree_unflatten(tree, fixed))
     return tuple(out)
 
@@ -1273,6 +1408,54 @@ def install_custom_vjp_sum() -> None:
 
     patched._replicate_hlo = True
     cd._flatten_bwd = patched
+    _install_per_replica_cotangents(cd, state)
+
+
+def _varying_outputs(fn: Any, index: int | None) -> Any:
+    """``fn`` with its (inexact) outputs typed varying over every manual mesh axis;
+    ``index``: only output ``index`` of a tuple (a ``fwd`` rule's primal outputs)."""
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        axes = _mesh_axis_names()
+
+        def cast(tree: Any) -> Any:
+            return jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, tree)
+        if index is None:
+            return cast(out)
+        return (cast(out[0]),) + tuple(out[1:])
+    return wrapped
+
+
+def _is_inexact(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+
+
+def _install_per_replica_cotangents(cd: Any, state: Any) -> None:
+    """While a replica is traced, a ``custom_vjp`` function's outputs are per-replica
+    values (cast, values unchanged), so its backward function receives each replica's
+    own cotangent, as under ``jax.pmap`` and in TF's replica context. An output JAX
+    proves identical on every replica (``psum`` inside the function, or mirrored inputs
+    only) would otherwise get the cotangents of every replica already summed (the
+    transpose of its implicit cast to varying: ``jax.shard_map``'s convention), and a
+    backward function written per replica (pmap's ``psum(g)``, a gradient clip) would
+    silently count or clip that sum. Its cotangents of mirrored inputs are then summed
+    over the replicas (``_sum_extra_axes``), as JAX sums a mirrored value's."""
+    orig = cd.custom_vjp.__call__
+
+    @functools.wraps(orig)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if state.value != "replica" or not self.fwd or not _mesh_axis_names():
+            return orig(self, *args, **kwargs)
+        per_replica = object.__new__(type(self))  # (copy.copy needs __new__'s arguments)
+        per_replica.__dict__.update(self.__dict__)
+        per_replica.fun = _varying_outputs(self.fun, None)
+        per_replica.fwd = _varying_outputs(self.fwd, 0)
+        return orig(per_replica, *args, **kwargs)
+
+    __call__._replicate_hlo = True
+    cd.custom_vjp.__call__ = __call__
 
 
 # Collectives over a ``vmap`` axis inside ``shard_map(check_vma=True)`` (the trace of every

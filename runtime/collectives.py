@@ -68,31 +68,6 @@ def _check_groups(groups: Any, n: int) -> list[list[int]]:
     return gs
 
 
-def _grouped(x: Any, op: str, groups: list[list[int]], n: int) -> Any:
-    """``op`` within each replica's group: every replica's value is gathered, and the
-    members of this replica's group are reduced (exact; one all-gather)."""
-    member = np.zeros((n, n), bool)
-    for g in groups:
-        for r in g:
-            member[r, g] = True
-    size = len(groups[0])
-
-    def one(a):
-        everyone = lax.all_gather(a, current_axis(), axis=0, tiled=False)   # [n, ...]
-        mask = jax.numpy.asarray(member)[lax.axis_index(current_axis())]
-        mask = mask.reshape((n,) + (1,) * (everyone.ndim - 1))
-        if op in ("sum", "mean"):
-            out = jax.numpy.sum(jax.numpy.where(mask, everyone, 0), axis=0)
-            return out / size if op == "mean" else out
-        fill = -jax.numpy.inf if op == "max" else jax.numpy.inf
-        if not jax.numpy.issubdtype(everyone.dtype, jax.numpy.inexact):
-            info = jax.numpy.iinfo(everyone.dtype)
-            fill = info.min if op == "max" else info.max
-        red = jax.numpy.max if op == "max" else jax.numpy.min
-        return red(jax.numpy.where(mask, everyone, fill), axis=0)
-    return jax.tree.map(one, x)
-
-
 def all_reduce(x: Any, op: str = "sum", axis_index_groups: Any = None) -> Any:
     """Reduce ``x`` (a pytree) across replicas with ``op`` in sum | mean | max | min.
     Every op is differentiable (the derivative of ``max``/``min`` goes to the replica
@@ -103,7 +78,8 @@ def all_reduce(x: Any, op: str = "sum", axis_index_groups: Any = None) -> Any:
         raise ValueError(f"all_reduce: op must be one of {sorted(_OPS)}, got {op!r} "
                          f"({user_line(__file__)})")
     if axis_index_groups is not None:
-        return _grouped(x, op, _check_groups(axis_index_groups, n), n)
+        return jc.grouped_reduce(x, op, _check_groups(axis_index_groups, n), n,
+                                 current_axis())
     if op in ("max", "min"):
         return jax.tree.map(lambda a: _OPS[op](a) if jax.numpy.issubdtype(
             jax.numpy.result_type(a), jax.numpy.inexact) else

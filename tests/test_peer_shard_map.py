@@ -532,8 +532,12 @@ def test_rewrite_process_custom_vjp_call(case, jit):
 def test_custom_vjp_of_a_mirrored_input(bwd_ones, reduction):
     """Not in the source: the same ``foo`` applied to a *mirrored* input (``in_specs=P()``)
     times per-replica data, the case where gradients once came out n times too large.
-    JAX's derivative of the global program (``shard_map`` differentiated outside) is the
-    oracle under ``"sum"``, and 1/n of it under ``"mean"``."""
+    Each replica calls ``foo``, so its backward function runs once per replica on that
+    replica's own cotangent (as under ``jax.pmap`` and TF's replica context), and ``w``'s
+    gradient is the sum (``"sum"``) or mean (``"mean"``) of the replicas'. ``jax.shard_map``
+    differentiated outside runs it once on the summed cotangent: the same for a backward
+    function linear in its cotangent (``2 y_bar``), not for one that is not (``ones``:
+    n times less under shard_map)."""
     foo = _foo_vjp(bwd_ones)
     w = np.array([0.5, -1.0, 2.0, 1.5], np.float32)
     x = np.arange(16., dtype=np.float32).reshape(4, 4) / 10
@@ -544,15 +548,18 @@ def test_custom_vjp_of_a_mirrored_input(bwd_ones, reduction):
     got = _rep(lambda w, x: jax.grad(loss)(w, x), 4, loss_reduction=reduction)(
         w, rt.distribute(x, 4))
     assert not isinstance(got, rt.PerReplica)
+    reduce = jax.lax.pmean if reduction == "mean" else jax.lax.psum
+    want = jax.pmap(lambda w, x: reduce(jax.grad(loss)(w, x), "i"), axis_name="i",
+                    in_axes=(None, 0), devices=jax.devices()[:4])(w, x.reshape(4, 1, 4))[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    # and by hand: replica r's backward function gets y_bar_r = x_r
+    per_replica = np.ones((4, 4)) if bwd_ones else 2 * x
+    by_hand = per_replica.sum(0) / (4 if reduction == "mean" else 1)
+    np.testing.assert_allclose(np.asarray(got), by_hand, rtol=1e-6)
     sm = jax.shard_map(lambda w, x: loss(w, x)[None], mesh=_mesh(4), in_specs=(P(), P('x')),
                        out_specs=P('x'))
-    want = jax.grad(lambda w: sm(w, x).sum())(w)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want) / (4 if reduction == "mean" else 1),
-                               rtol=1e-6)
-    # and by hand: foo(w) is one value, cast to varying where it meets the data, so its
-    # backward function runs once, on the cotangent summed over the replicas
-    y_bar = np.sum(x, 0)
-    np.testing.assert_allclose(np.asarray(want), np.ones(4) if bwd_ones else 2 * y_bar,
+    shard_map_grad = jax.grad(lambda w: sm(w, x).sum())(w)
+    np.testing.assert_allclose(np.asarray(shard_map_grad), np.ones(4) if bwd_ones else 2 * x.sum(0),
                                rtol=1e-6)
 
 

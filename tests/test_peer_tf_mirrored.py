@@ -40,6 +40,7 @@ through ``jax.jit`` on one device over the global batch.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +70,21 @@ def _local_tree(out, n):
 
 
 def _identical_sum(n):
-    """An all-reduce SUM of a value identical on every replica (a constant, as TF's tests
-    write it) warns when n > 1: the sum multiplies it by n, which TF's tests mean."""
+    """An all-reduce SUM of a value identical on every replica (an argument) warns when
+    n > 1: the sum multiplies it by n, which TF's tests mean."""
     if n == 1:
         return contextlib.nullcontext()
     return pytest.warns(UserWarning, match=rf"identical on every replica .*: a sum "
                                            rf"multiplies it by {n}")
+
+
+@contextlib.contextmanager
+def _constant_sum():
+    """An all-reduce SUM of constants (TF's tests' ``constant(1.0)``) counts the replicas,
+    as those tests mean: no warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*identical on every replica")
+        yield
 
 
 def _pr(values, dtype=np.float32):
@@ -564,8 +574,7 @@ def test_all_reduce_gradients(n, op, api, x_kind):
         y, vjp = jax.vjp(f, x)
         return vjp(jnp.ones_like(y))[0]
 
-    ctx = _identical_sum(n) if op == "sum" else contextlib.nullcontext()
-    with ctx:
+    with _constant_sum():  # (the seed of the gradient, ones, is a constant)
         out = rt.replicate(step, num_replicas=n)(_pr(cs))
     assert [float(v) for v in _local_results(out, n)] == expected
 
@@ -636,10 +645,10 @@ def test_mirrored_var_sum_aggregation_of_single_value():
     """``testAssignMirroredVarReplicaContextWithSum``: TF refuses to SUM-aggregate a value
     that is not per-replica (``ValueError: A non-DistributedValues value 5.0 cannot be
     reduced with the given reduce op ReduceOp.SUM``). ``rt.all_reduce`` has no
-    aggregation mode to refuse with: summing the identical 5.0 warns instead and gives
-    ``2 * 5.0``."""
+    aggregation mode to refuse with: the sum of the constant 5.0 is what it says,
+    ``2 * 5.0`` (a sum of constants counts the replicas: no warning)."""
     step = rt.replicate(lambda v: rt.all_reduce(jnp.float32(5.0), "sum"), num_replicas=2)
-    with _identical_sum(2):
+    with _constant_sum():
         out = step(np.float32(1.0))
     assert float(out) == 10.0
 
@@ -904,7 +913,7 @@ def test_all_reduce_dense_constant(n, op):
     step = rt.replicate(lambda: (rt.all_reduce(jnp.float32(1.0), op),
                                  rt.all_reduce((jnp.float32(1.0), jnp.float32(2.0)), op)),
                         num_replicas=n)
-    with _identical_sum(n) if op == "sum" else contextlib.nullcontext():
+    with _constant_sum():
         got, pair = step()
     k = n if op == "sum" else 1
     assert [float(v) for v in _local_results(got, n)] == [1.0 * k] * n

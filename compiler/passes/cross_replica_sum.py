@@ -22,7 +22,8 @@ Contract:
   merge them all); a ``"mean"`` shows as the division by N that follows;
 - every all-reduce made by transposition (the backward pass) gets ``gradient=True``;
 - a user ``all_reduce(sum)`` of a value already identical on every replica gives a warning
-  naming the source line (a sum multiplies it by N); a ``pmean`` does not, nor does any
+  naming the source line (a sum multiplies it by N); a ``pmean`` does not, nor does a sum
+  of constants (``lax.psum(1, axis)``: pmap code's count of the replicas), nor does any
   sum when N = 1;
 - with ``bucket_bytes > 0``, independent gradient all-reduces of one kind are merged
   into variadic all-reduces of at most that many bytes (see ``_bucket``).
@@ -153,7 +154,8 @@ class CrossReplicaSumPass:
                     op = op.with_attrs(gradient=True)
                 elif (self.num_replicas > 1  # (a sum over one replica changes nothing)
                       and all(v.type.replica is Replica.MIRRORED for v in op.operands)
-                      and not self._all_pmean(op, graph, uses)):
+                      and not self._all_pmean(op, graph, uses)
+                      and not self._of_constants(op, graph, uses)):
                     where = f" ({op.loc})" if op.loc else ""
                     warnings.warn(
                         f"all-reduce of a value that is already identical on every "
@@ -172,6 +174,20 @@ class CrossReplicaSumPass:
         users, producers = uses
         return all(_is_pmean(r, users.get(r, []), producers, self.num_replicas)
                    for r in op.results)
+
+    def _of_constants(self, op: Op, graph: Graph, uses: list) -> bool:
+        """Are all of ``op``'s operands constants? ``lax.psum(1, axis)`` is pmap code's
+        way to count the replicas: the sum by N is what it asks for."""
+        if not uses:
+            uses.extend((graph.users(), graph.producers()))
+        producers = uses[1]
+
+        def constant(v: Any) -> bool:
+            p = producers.get(v)
+            while p is not None and p.name == "cast_varying":  # (a cast keeps the value)
+                p = producers.get(p.operands[0])
+            return p is not None and p.name == "constant"
+        return all(constant(v) for v in op.operands)
 
     def _bucket(self, graph: Graph) -> Graph:
         """Merge independent gradient all-reduces (same reduce kind) into variadic ones.
