@@ -68,10 +68,13 @@ _HALF = (jax.numpy.bfloat16, jax.numpy.float16)
 
 
 def _widened(fn: Callable, args: list[Any], axes: Any) -> list[Any]:
-    """On CPU, a 16-bit float all-reduce runs in float32: XLA's CPU compiler promotes it
-    anyway, and its promotion aborts the process when the reduction region holds the
-    sharding constraints of a partly manual mesh (K > 1 logical devices). Other
-    platforms reduce in the value's own type."""
+    """On CPU, a 16-bit float all-reduce runs in float32, rounded once at the end: XLA's
+    CPU compiler promotes a bfloat16 one anyway (the same numbers as ``jax.pmap``), and
+    its promotion aborts the process when the reduction region holds the sharding
+    constraints of a partly manual mesh (K > 1 logical devices). A float16 one is then
+    the correctly rounded sum, where ``jax.pmap`` adds in float16 and may differ from it
+    by one unit in the last place (``tests/test_peer_pmap.py``). Other platforms reduce
+    in the value's own type."""
     if _PLATFORM.get() != "cpu" or not any(a.dtype in _HALF for a in args):
         return list(fn(tuple(args), axes))
     wide = [a.astype(jax.numpy.float32) if a.dtype in _HALF else a for a in args]

@@ -1137,8 +1137,8 @@ def _install_grouped_sums() -> None:
 
     @functools.wraps(orig)
     def bind_psum_invariant(leaf, *, axes, axis_index_groups, is_async):
-        mesh = mesh_lib.get_abstract_mesh()
-        if axis_index_groups is None or not _VARYING_CARRIES.get() or is_async or \
+        mesh = None if axis_index_groups is None else mesh_lib.get_abstract_mesh()
+        if mesh is None or not _VARYING_CARRIES.get() or is_async or \
                 len(axes) != 1 or mesh.empty or axes[0] not in mesh.axis_names:
             return orig(leaf, axes=axes, axis_index_groups=axis_index_groups,
                         is_async=is_async)
@@ -1340,6 +1340,35 @@ def _install_linear_transpose_hook(api: Any, state: Any) -> None:
     linear_transpose._replicate_hlo = True
     api.linear_transpose = linear_transpose
     jax.linear_transpose = linear_transpose
+
+    orig_jvp = api.jvp
+
+    @functools.wraps(orig_jvp)
+    def jvp(fun, primals, tangents, *args, **kwargs):
+        """``jax.jvp`` at a mirrored primal with a per-replica tangent (pmap code's
+        Hessian-vector product with a replica's own vector): JAX's typed tracing needs
+        the two of one type and fails inside (``pvary is a invariant->variant
+        collective``); while a replica is traced both are cast to what either varies over
+        (values unchanged), as pmap, where everything varies."""
+        if state.value == "replica" and _mesh_axis_names():
+            p_leaves, p_tree = jax.tree_util.tree_flatten(primals)
+            t_leaves, t_tree = jax.tree_util.tree_flatten(tangents)
+            if p_tree == t_tree and any(_is_inexact(p) and _is_inexact(t) and
+                                        varying_axes(jax.typeof(p)) != varying_axes(jax.typeof(t))
+                                        for p, t in zip(p_leaves, t_leaves)):
+                cast_p, cast_t = [], []
+                for p, t in zip(p_leaves, t_leaves):
+                    if _is_inexact(p) and _is_inexact(t):
+                        axes = varying_axes(jax.typeof(p)) | varying_axes(jax.typeof(t))
+                        p, t = to_varying(p, axes), to_varying(t, axes)
+                    cast_p.append(p)
+                    cast_t.append(t)
+                primals = jax.tree_util.tree_unflatten(p_tree, cast_p)
+                tangents = jax.tree_util.tree_unflatten(t_tree, cast_t)
+        return orig_jvp(fun, primals, tangents, *args, **kwargs)
+    jvp._replicate_hlo = True
+    api.jvp = jvp
+    jax.jvp = jvp
 
 
 # -- custom_vjp backward functions that return a per-replica cotangent ------------------

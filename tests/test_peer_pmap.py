@@ -923,20 +923,25 @@ def test_vjp_with_mixed_seeds_and_hessian_of_psum():
 def test_jvp_of_a_mirrored_primal_with_per_replica_tangents():
     """Not in the source (``testJvpAndPartialEval`` with pmap's ``in_axes=(None, 0)``): a
     forward derivative at a mirrored (broadcast) primal along per-replica tangents. pmap
-    runs it; a step refuses it (JAX's value-variance types: the tangent's type must be the
-    primal's; the messages talk of ``pvary`` / ``pcast``), and with the primal cast to
-    varying (``lax.pcast``, the fix the linearize message names) gives pmap's numbers."""
+    runs it, and so does a step's ``jax.jvp`` (primal and tangent cast to what either
+    varies over; before, JAX's value-variance types failed inside: ``pvary is a
+    invariant->variant collective``). ``jax.linearize`` at the mirrored primal, then fed a
+    per-replica tangent, is refused (the tangent's type must be the primal's; JAX's message
+    names ``pcast``), and with the primal cast to varying (``lax.pcast``) gives pmap's
+    numbers."""
     rng = np.random.default_rng(16)
     t = rng.normal(size=(8, 4)).astype(np.float32)
     w = rng.normal(size=(4,)).astype(np.float32)
     f = lambda w: jnp.sin(w) * lax.psum(w, AX)  # noqa: E731
-    with pytest.raises(ValueError, match="pvary"):
-        rt.replicate(lambda w, t: jax.jvp(f, (w,), (t,)), num_replicas=8, axis_name=AX)(
-            w, per(t))
+    want = jax.pmap(lambda w, t: jax.jvp(f, (w,), (t,)), axis_name=AX, in_axes=(None, 0))(w, t)
+    with pytest.warns(UserWarning, match="already identical on every replica"):  # psum(w)
+        got = rt.replicate(lambda w, t: jax.jvp(f, (w,), (t,)), num_replicas=8,
+                           axis_name=AX)(w, per(t))
+    for g, w_ in zip(got, want):
+        np.testing.assert_allclose(stack(g, 8), w_, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="pcast"):
         rt.replicate(lambda w, t: jax.linearize(f, w)[1](t), num_replicas=8, axis_name=AX)(
             w, per(t))
-    want = jax.pmap(lambda w, t: jax.jvp(f, (w,), (t,)), axis_name=AX, in_axes=(None, 0))(w, t)
     with pytest.warns(UserWarning, match="already identical on every replica"):  # psum(w)
         got = rt.replicate(lambda w, t: jax.jvp(f, (lax.pcast(w, AX, to='varying'),), (t,)),
                            num_replicas=8, axis_name=AX)(w, per(t))
