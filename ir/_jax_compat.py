@@ -1440,19 +1440,15 @@ def install_custom_vjp_sum() -> None:
     _install_per_replica_cotangents(cd, state)
 
 
-def _varying_outputs(fn: Any, index: int | None) -> Any:
-    """``fn`` with its (inexact) outputs typed varying over every manual mesh axis;
-    ``index``: only output ``index`` of a tuple (a ``fwd`` rule's primal outputs)."""
-    @functools.wraps(fn)
+def _varying_outputs(fwd: Any) -> Any:
+    """A ``custom_vjp`` ``fwd`` rule whose (inexact) primal outputs are typed varying over
+    every manual mesh axis (values unchanged); its residuals as they are."""
+    @functools.wraps(fwd)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
+        out, *residuals = fwd(*args, **kwargs)
         axes = _mesh_axis_names()
-
-        def cast(tree: Any) -> Any:
-            return jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, tree)
-        if index is None:
-            return cast(out)
-        return (cast(out[0]),) + tuple(out[1:])
+        out = jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, out)
+        return (out, *residuals)
     return wrapped
 
 
@@ -1462,9 +1458,10 @@ def _is_inexact(x: Any) -> bool:
 
 
 def _install_per_replica_cotangents(cd: Any, state: Any) -> None:
-    """While a replica is traced, a ``custom_vjp`` function's outputs are per-replica
-    values (cast, values unchanged), so its backward function receives each replica's
-    own cotangent, as under ``jax.pmap`` and in TF's replica context. An output JAX
+    """While a replica is traced, a differentiated ``custom_vjp`` function's outputs (its
+    ``fwd`` rule's) are per-replica values (cast, values unchanged), so its backward
+    function receives each replica's own cotangent, as under ``jax.pmap`` and in TF's
+    replica context; called without a derivative (``fun``) it keeps JAX's types. An output JAX
     proves identical on every replica (``psum`` inside the function, or mirrored inputs
     only) would otherwise get the cotangents of every replica already summed (the
     transpose of its implicit cast to varying: ``jax.shard_map``'s convention), and a
@@ -1479,8 +1476,7 @@ def _install_per_replica_cotangents(cd: Any, state: Any) -> None:
             return orig(self, *args, **kwargs)
         per_replica = object.__new__(type(self))  # (copy.copy needs __new__'s arguments)
         per_replica.__dict__.update(self.__dict__)
-        per_replica.fun = _varying_outputs(self.fun, None)
-        per_replica.fwd = _varying_outputs(self.fwd, 0)
+        per_replica.fwd = _varying_outputs(self.fwd)  # (``fun`` alone: JAX's types)
         return orig(per_replica, *args, **kwargs)
 
     __call__._replicate_hlo = True

@@ -1515,3 +1515,31 @@ def test_pbroadcast_is_gpu_only():
     with pytest.raises(Exception, match="pbroadcast"):
         rt.replicate(lambda x: lax.pbroadcast(x, source=0, axis_name=AX), num_replicas=8,
                      axis_name=AX)(per(x))
+
+
+def test_custom_vjp_gradient_clip_of_a_mirrored_weight_is_per_replica():
+    """Not in the source: a ``custom_vjp`` identity whose backward function clips (a
+    gradient clip on a weight, optax's ``scale_gradient`` made nonlinear) applied to a
+    mirrored weight used with per-replica data. pmap (and TF's replica context) clip each
+    replica's cotangent, then the step's ``pmean`` averages; a step gives the same, the
+    mean of the clipped ones (before, it clipped the replicas' cotangents summed, then
+    divided by n: no error, different numbers). Called without a derivative the function
+    keeps its mirrored type: its result is one array, not a ``PerReplica``."""
+    @jax.custom_vjp
+    def clip_grad(w):
+        return w
+
+    clip_grad.defvjp(lambda w: (w, None), lambda _, g: (jnp.clip(g, -0.5, 0.5),))
+    w = np.array([1., -2., 0.5, 3.], np.float32)
+    x = np.random.default_rng(3).normal(size=(8, 4)).astype(np.float32)
+    step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(clip_grad(w) * x)))(w)  # noqa: E731
+    want = jax.pmap(lambda w, x: lax.pmean(step(w, x), AX), axis_name=AX, in_axes=(None, 0))(w, x)
+    got = rt.replicate(step, num_replicas=8, axis_name=AX)(w, per(x))
+    assert not isinstance(got, rt.PerReplica)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[0], rtol=1e-6)
+    by_hand = np.clip((1 - np.tanh(w * x) ** 2) * x, -0.5, 0.5).mean(0)
+    np.testing.assert_allclose(np.asarray(got), by_hand, rtol=1e-5)
+    assert not np.allclose(by_hand, np.clip(((1 - np.tanh(w * x) ** 2) * x).sum(0), -.5, .5) / 8)
+    out = rt.replicate(lambda w: clip_grad(w) * 2, num_replicas=8, axis_name=AX)(w)
+    assert not isinstance(out, rt.PerReplica)
+    np.testing.assert_array_equal(np.asarray(out), w * 2)
