@@ -87,6 +87,16 @@ def _constant_sum():
         yield
 
 
+def _train_against(rstep, oracle, batches, n):
+    """Train ``_mlp_init()``'s parameters with the replicated step and the one-device
+    oracle on the same global batches; they agree after every step."""
+    params = ref = _mlp_init()
+    for b in batches:
+        params, ref = rstep(params, rt.distribute(b, n)), oracle(ref, b)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                             rtol=2e-5, atol=1e-6), params, ref)
+
+
 def _pr(values, dtype=np.float32):
     return rt.PerReplica([np.asarray(v, dtype) for v in values])
 
@@ -278,11 +288,7 @@ def test_minimize_loss_with_regularization(reduction):
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
 
     rstep = rt.replicate(step, num_replicas=n, loss_reduction=reduction)
-    params = ref = _mlp_init()
-    for b in batches:
-        params, ref = rstep(params, rt.distribute(b, n)), oracle(ref, b)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                             rtol=2e-5, atol=1e-6), params, ref)
+    _train_against(rstep, oracle, batches, n)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -320,11 +326,7 @@ def test_minimize_loss_through_all_reduce(reduction):
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
 
     rstep = rt.replicate(step, num_replicas=n, loss_reduction=reduction)
-    params = ref = _mlp_init()
-    for b in batches:
-        params, ref = rstep(params, rt.distribute(b, n)), oracle(ref, b)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                             rtol=2e-5, atol=1e-6), params, ref)
+    _train_against(rstep, oracle, batches, n)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
