@@ -12,7 +12,10 @@ a functional step may mean it (per-replica keys, statistics), so here it is a wa
 :class:`DivergingStateWarning`, which names the leaves and the lines that computed them.
 
 Which results are state: result ``i`` of a step that returns a tuple or list, when
-argument ``i`` came in mirrored and has the same structure, shapes and dtypes. Only the
+argument ``i`` came in mirrored and has the same structure, shapes and dtypes; the result
+of a step that returns one container of two or more arrays (``params = step(params,
+batch)``), when argument 0 came in mirrored with its structure, shapes and dtypes (one
+array alone is as likely a loss as a state: not checked). Only the
 first call warns (the next one passes the ``PerReplica`` in: nothing mirrored is left to
 diverge); a step that returns its state elsewhere is not checked, nor one that takes an
 ``rt.local`` view (it asked for per-replica values: per-replica gradients or an inner
@@ -73,9 +76,16 @@ def check_diverging_state(fn_name: str, in_treedef: Any, in_sigs: Sequence[tuple
     ``in_sigs``: per argument leaf, its signature (``runtime.program.leaf_sig``: shape,
     dtype, ...) when mirrored, ``None`` when per replica; ``graph``: the program's IR
     after the passes, whose outputs are the flat results of ``out_treedef``."""
-    if not _is_sequence(out_treedef) or not _is_sequence(in_treedef):
+    if not _is_sequence(in_treedef):
         return
-    args, outs = in_treedef.children(), out_treedef.children()
+    args = in_treedef.children()
+    bare = not _is_sequence(out_treedef)
+    if bare:  # ``params = step(params, batch)``: the result in argument 0's place
+        if out_treedef.num_leaves < 2 or not args:
+            return  # (one array: as likely a loss as a state)
+        outs = [out_treedef]
+    else:
+        outs = out_treedef.children()
     leaf = out_leaf = 0
     starts = []
     for a in args:
@@ -104,10 +114,11 @@ def check_diverging_state(fn_name: str, in_treedef: Any, in_sigs: Sequence[tuple
         for k in varying[:_SHOWN]:
             loc = _origin(graph, values[k])
             where = f" (made at {loc.file.rsplit('/', 1)[-1]}:{loc.line})" if loc else ""
-            named.append(f"result[{i}]{paths[k]}{where}")
+            named.append(f"result{'' if bare else f'[{i}]'}{paths[k]}{where}")
         more = f" and {len(varying) - _SHOWN} more" if len(varying) > _SHOWN else ""
+        which = "its result" if bare else f"result {i}"
         warnings.warn(
-            f"{fn_name}: result {i} has the structure, shapes and dtypes of argument {i}, "
+            f"{fn_name}: {which} has the structure, shapes and dtypes of argument {i}, "
             f"which came in mirrored (the same on every replica), but {len(varying)} of its "
             f"{o.num_leaves} leaves come out varying across replicas: {', '.join(named)}"
             f"{more}. Passed back as argument {i}, each replica keeps its own copy from then "

@@ -208,3 +208,32 @@ def test_several_steps_per_call_warn_for_the_carried_state():
         for x in xs:
             ema = 0.9 * ema + 0.1 * np.mean(np.split(x, N)[r] ** 2)
         np.testing.assert_allclose(np.asarray(s["ema"].values[r]), ema, rtol=1e-5)
+
+
+def test_a_bare_result_in_argument_0s_place_is_checked_too():
+    """``params = step(params, batch)`` (the README's input-pipeline loop): one container
+    returned, of argument 0's structure, shapes and dtypes, with a leaf fed the replica's
+    own value warns, naming ``result['b']`` (no index: the step returns one value); one
+    array alone (as likely a loss as a state) and a mirrored container do not."""
+    x = _x()
+
+    def step(params, x):
+        g = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
+        return {"w": new["w"], "b": new["b"] + 0.01 * jnp.mean(x)}  # b: per replica
+
+    params = {"w": np.ones((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
+    with pytest.warns(rt.DivergingStateWarning) as rec:
+        out = rt.replicate(step, num_replicas=N)(params, rt.distribute(x, N))
+    msg = str(rec[0].message)
+    line = step.__code__.co_firstlineno + 3
+    assert re.search(rf"step: its result has the structure, shapes and dtypes of argument 0, "
+                     rf".* 1 of its 2 leaves come out varying across replicas: "
+                     rf"result\['b'\] \(made at test_divergence\.py:{line}\)", msg), msg
+    assert isinstance(out["b"], rt.PerReplica) and not isinstance(out["w"], rt.PerReplica)
+    with _no_warning():
+        mirrored = rt.replicate(lambda p, x: jax.tree.map(lambda a: a * 2, p), num_replicas=N)
+        mirrored(params, rt.distribute(x, N))
+        one_array = rt.replicate(lambda w, x: w * jnp.mean(x), num_replicas=N)
+        assert isinstance(one_array(np.ones((2,), np.float32), rt.distribute(x, N)),
+                          rt.PerReplica)
