@@ -38,7 +38,8 @@ AGGREGATIONS = ("sum", "mean", "only_first_replica")
 class SyncOnRead:
     """Per-replica state aggregated on read; see the module docstring.
 
-    Outside a step: ``values`` (one tree per replica), ``read()``, ``reset()``. Inside a
+    Outside a step: ``values`` (one tree per replica), ``read()``, ``reset()``,
+    ``assign(tree)`` (TF's cross-replica assign: ``read()`` gives ``tree``). Inside a
     step: ``value`` (this replica's tree), ``assign(tree)``, ``update(fn)``."""
 
     __slots__ = ("aggregation", "_values", "_local", "_n")
@@ -88,6 +89,23 @@ class SyncOnRead:
                                 self._values.values[0])
         return SyncOnRead(init, self.aggregation, self.num_replicas)
 
+    def _assigned_across(self, tree: Any) -> SyncOnRead:
+        old = jax.tree.structure(self._values.values[0])
+        if jax.tree.structure(tree) != old:
+            raise ValueError(f"SyncOnRead.assign: the new value has structure "
+                             f"{jax.tree.structure(tree)} but the accumulator has {old}")
+        tree = jax.tree.map(np.asarray, tree)
+        n = self._n
+        if self.aggregation != "sum":
+            return SyncOnRead(PerReplica([tree] * n), self.aggregation)
+
+        def part(x: np.ndarray, r: int) -> np.ndarray:
+            if np.issubdtype(x.dtype, np.inexact):
+                return (x / n).astype(x.dtype)
+            return x if r == 0 else np.zeros_like(x)
+        return SyncOnRead(PerReplica([jax.tree.map(lambda x: part(x, r), tree)
+                                      for r in range(n)]), self.aggregation)
+
     # -- inside a step ------------------------------------------------------------------------
     @property
     def value(self) -> Any:
@@ -98,10 +116,14 @@ class SyncOnRead:
         return self._local
 
     def assign(self, tree: Any) -> SyncOnRead:
-        """The local view holding ``tree`` (inside a step): return it from the step."""
+        """Inside a step: the local view holding ``tree`` (this replica's value): return
+        it from the step. Outside (TF's assign in cross-replica context): a
+        ``SyncOnRead`` whose ``read()`` is ``tree``: under ``"sum"`` each replica holds
+        ``tree / N`` (an integer leaf: replica 0 holds it, the others zero, so the sum is
+        exact), under ``"mean"`` and ``"only_first_replica"`` each holds ``tree``.
+        (``reset(tree)`` sets every replica's value to ``tree`` instead.)"""
         if self._local is None:
-            raise ValueError("SyncOnRead.assign works inside a replicated step; outside, "
-                             "build a new SyncOnRead")
+            return self._assigned_across(tree)
         old = jax.tree.structure(self._local)
         if jax.tree.structure(tree) != old:
             raise ValueError(f"SyncOnRead.assign: the new value has structure "

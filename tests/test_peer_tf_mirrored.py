@@ -792,12 +792,15 @@ def test_sync_on_read_variable_update():
                               "testAssignReplicaLocalVarMeanAggregation"])
 def test_assign_replica_local_var(aggregation, read):
     """``SyncOnReadVariableAssignTest``: each replica holds 1.0 (set in replica context);
-    a read is their SUM (2.0) or MEAN (1.0). For MEAN, assigning 6.0 in cross-replica
-    context reads 6.0 (``reset(6.0)``). (TF's SUM variable assigned 6.0 there gets
-    ``6.0 / n`` per replica; ``SyncOnRead`` has no cross-replica assign, see the report.)"""
+    a read is their SUM (2.0) or MEAN (1.0). Assigning 6.0 in cross-replica context
+    (``assign`` outside a step) reads 6.0: TF's SUM variable gets ``6.0 / n`` per replica,
+    its MEAN one 6.0 each. (``reset(6.0)`` sets each replica's value instead.)"""
     v = rt.SyncOnRead(np.float32(0.0), aggregation=aggregation, num_replicas=2)
     v = rt.replicate(lambda v: v.assign(jnp.float32(1.0)), num_replicas=2)(v)
     assert float(v.read()) == read
+    w = v.assign(np.float32(6.0))
+    assert float(w.read()) == 6.0 and w.aggregation == aggregation
+    assert [float(x) for x in w.values] == ([3.0, 3.0] if aggregation == "sum" else [6.0, 6.0])
     if aggregation == "mean":
         assert float(v.reset(np.float32(6.0)).read()) == 6.0
 

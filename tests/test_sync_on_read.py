@@ -98,3 +98,29 @@ def test_errors():
     step = rt.replicate(lambda a: a.assign({"oops": a.value}), num_replicas=2)
     with pytest.raises(ValueError, match="structure"):
         step(acc)
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica"])
+def test_assign_outside_a_step_reads_back_the_value(aggregation):
+    """TF's assign in cross-replica context: ``read()`` gives the assigned value whatever
+    the aggregation; a float under ``"sum"`` is split evenly over the replicas (TF's
+    ``value / n``), an integer put on replica 0 (the sum exact); the accumulator then
+    keeps counting from there inside a step; a tree of another structure is refused."""
+    n = 4
+    acc = rt.SyncOnRead({"total": np.float32(0), "count": np.int32(0)},
+                        aggregation=aggregation, num_replicas=n)
+    acc = acc.assign({"total": np.float32(10.0), "count": np.int32(7)})
+    got = acc.read()
+    assert float(got["total"]) == 10.0 and int(got["count"]) == 7
+    if aggregation == "sum":
+        assert [float(v["total"]) for v in acc.values] == [2.5] * n
+        assert [int(v["count"]) for v in acc.values] == [7, 0, 0, 0]
+    step = rt.replicate(lambda acc, x: acc.update(lambda v: {"total": v["total"] + x.sum(),
+                                                             "count": v["count"] + 1}),
+                        num_replicas=n)
+    x = np.arange(8, dtype=np.float32)
+    after = step(acc, rt.distribute(x, n)).read()
+    if aggregation == "sum":
+        assert float(after["total"]) == 10.0 + x.sum() and int(after["count"]) == 7 + n
+    with pytest.raises(ValueError, match="structure"):
+        acc.assign({"total": np.float32(1.0)})
