@@ -173,9 +173,11 @@ class Replicated:
         try:
             out = self._hit(*args)
         except (TypeError, ValueError):
-            return self._call(args)
-        next(self._hits)
-        return out
+            pass  # (outside the handler: an error of the general path is not chained to it)
+        else:
+            next(self._hits)
+            return out
+        return self._call(args)
 
     # -- static arguments and keyword arguments ------------------------------------------
     def _split_call(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:

@@ -584,3 +584,17 @@ def test_disable_jit_is_a_clear_error(warm):
             with pytest.raises(RuntimeError, match=r"my_step: jax.disable_jit\(\) is on.*2 replicas"):
                 call()
     np.testing.assert_allclose(rt.reduce("sum", step(w, x)), 36.0)
+
+
+def test_an_error_of_the_first_call_is_not_chained_to_the_fast_paths_miss():
+    """The first call's error (here the step's own AttributeError) is raised outside the
+    fast path's handler: before, every such traceback began with an unrelated
+    ``TypeError: 'NoneType' object is not callable`` and "During handling of the above
+    exception, another exception occurred"."""
+    import traceback
+    step = rt.replicate(lambda x: x.undefined_attr, num_replicas=2)
+    with pytest.raises(AttributeError) as e:
+        step(rt.distribute(np.ones((4, 2), np.float32), 2))
+    text = "".join(traceback.format_exception(e.value))
+    assert "'NoneType' object is not callable" not in text
+    assert "During handling of the above exception" not in text
