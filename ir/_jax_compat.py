@@ -527,7 +527,23 @@ def install_layout_hook() -> None:
     of devices, which a replica's trace must not see: JAX types the result on that mesh,
     and a later op or the gradient mixing it with the replica's own mesh fails inside
     JAX (``use_abstract_mesh cannot change the size of the mesh``)."""
-    from jax._src import dispatch, pjit
+    from jax._src import api, dispatch, pjit
+    # JAX checks that a layout divides the value before any bind (``jax.device_put``,
+    # ``jax.jit(in_shardings=...)``): in a replica, a split is the hook's (or the import's)
+    # error whatever the sizes, so those checks are skipped there
+    for module, name in ((pjit, "pjit_check_aval_sharding"), (api, "_check_sharding")):
+        check = getattr(module, name, None)
+        if check is None or getattr(check, "_replicate_hlo", False):
+            continue
+
+        @functools.wraps(check)
+        def checked(*args, _check=check, **kwargs):
+            if LAYOUT_HOOK.get() is not None and (len(args) < 2 or is_sharding(args[1])
+                                                  or isinstance(args[0], (list, tuple))):
+                return None  # (a device or an invalid value: JAX's own check)
+            return _check(*args, **kwargs)
+        checked._replicate_hlo = True
+        setattr(module, name, checked)
     for prim, what in ((pjit.sharding_constraint_p, "with_sharding_constraint"),
                        (pjit.reshard_p, "jax.sharding.reshard"),
                        (dispatch.device_put_p, "jax.device_put")):

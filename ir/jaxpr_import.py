@@ -169,6 +169,8 @@ class _Importer:
             for d, v in zip(eqn.params.get("devices", ()), operands):
                 check_layout("jax.device_put", d, v.type, jc.user_call_site(
                     eqn.source_info.traceback))
+        elif eqn.primitive.name in ("pjit", "jit") and "in_shardings" in eqn.params:
+            self.check_jit_layouts(eqn, operands)
         results, traced = [], []
         for var in eqn.outvars:
             t, varies = self.typed(var.aval)
@@ -226,6 +228,21 @@ class _Importer:
                       (("sharding", Sharding.replicated()),
                        ("annotation", "with_sharding_constraint")), self.loc(eqn),
                       traced_varying=(varies,)))
+
+    def check_jit_layouts(self, eqn: Any, operands: tuple) -> None:
+        """``jax.jit(in_shardings=..., out_shardings=...)`` (``nnx.jit``'s too) of a
+        function the step calls: the same rule as a sharding constraint (``check_layout``):
+        one that splits is a ``ShardingConstraintError``; the others are dropped (the
+        lowering re-derives a replica's layouts, :meth:`attr`)."""
+        site = None
+        pairs = [("in_shardings", s, v.type) for s, v in zip(eqn.params["in_shardings"],
+                                                            operands)]
+        pairs += [("out_shardings", s, type_of_aval(v.aval))
+                  for s, v in zip(eqn.params.get("out_shardings", ()), eqn.outvars)]
+        for which, sharding, t in pairs:
+            if jc.is_sharding(sharding) and not sharding.is_fully_replicated:
+                site = jc.user_call_site(eqn.source_info.traceback) if site is None else site
+                check_layout(f"jax.jit({which}=...)", sharding, t, site)
 
     def typed(self, aval: Any) -> tuple[TensorType, bool]:
         """The IR type of a result's abstract value, and whether JAX typed it varying over

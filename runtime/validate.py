@@ -263,6 +263,52 @@ def check_results(out: Any, fn_name: str) -> None:
                         f"return arrays or numbers (pytrees of them)")
 
 
+def argument_snapshot(args: tuple) -> tuple | None:
+    """The arguments' leaves and structure as the step is about to see them, for
+    :func:`check_arguments_unchanged`; ``None`` when flattening them twice does not give
+    the same objects (a pytree that makes its leaves anew: nothing can be compared)."""
+    first, second = jax.tree_util.tree_flatten(args), jax.tree_util.tree_flatten(args)
+    if first[1] != second[1] or any(a is not b for a, b in zip(first[0], second[0])):
+        return None
+    return first
+
+
+def check_arguments_unchanged(args: tuple, snapshot: tuple | None, out: Any,
+                              fn_name: str) -> None:
+    """Raise ``TypeError`` when the step changed an argument in place to a value it does
+    not return (called while the step is traced, after it ran). The step gets copies of
+    its arguments, as under ``jax.jit``, so such a change is lost and the next call
+    starts from the old value without an error: ``nnx.jit``'s in-place updates of a model
+    and optimizer given to ``replicate`` trained nothing. A change the step also returns
+    (``state["step"] += 1; return state``) has its value: allowed."""
+    if snapshot is None:
+        return
+    before, before_td = snapshot
+    leaves, td = jax.tree_util.tree_flatten(args)
+    returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
+    if td == before_td:
+        changed = [i for i, (x, y) in enumerate(zip(leaves, before))
+                   if x is not y and id(x) not in returned]
+        if not changed:
+            return
+        path = jax.tree_util.tree_flatten_with_path(args)[0][changed[0]][0]
+        where = f"args{jax.tree_util.keystr(path)}"
+        more = f" (and {len(changed) - 1} more leaves)" if len(changed) > 1 else ""
+    else:
+        old = {id(x) for x in before}
+        if all(id(x) in old or id(x) in returned for x in leaves):
+            return
+        where, more = "an argument's structure", ""
+    raise TypeError(
+        f"the step {fn_name} changed {where}{more} in place, to a value it does not return: "
+        f"replicate, like jax.jit, gives the step copies of its arguments, so the change is "
+        f"lost and the next call starts from the old value (nnx.jit's in-place updates of a "
+        f"model or optimizer, an entry written into a dict). Return the new state instead; "
+        f"for flax nnx: graphdef, state = nnx.split((model, optimizer)) once, and in the "
+        f"step model, optimizer = nnx.merge(graphdef, state) ... return nnx.state((model, "
+        f"optimizer)) with the outputs")
+
+
 def check_donated_distinct(leaves: list, donated: tuple) -> None:
     """Refuse a call that passes the same array twice where one of them is donated: XLA
     would read a buffer it gave away (the process can crash inside XLA)."""

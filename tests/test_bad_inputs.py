@@ -598,3 +598,31 @@ def test_an_error_of_the_first_call_is_not_chained_to_the_fast_paths_miss():
     text = "".join(traceback.format_exception(e.value))
     assert "'NoneType' object is not callable" not in text
     assert "During handling of the above exception" not in text
+
+
+def test_a_step_that_changes_an_argument_in_place_without_returning_it_is_an_error():
+    """The step gets copies of its arguments (as under ``jax.jit``): a change it makes to
+    one in place and does not return is lost, and the next call starts from the old value
+    without an error. That is a ``TypeError`` naming the leaf; a change the step also
+    returns is its result, allowed (its numbers checked); so is a step that changes none."""
+    def forgets(state, x):
+        state["w"] = state["w"] - 0.1 * jnp.mean(x)     # written into the argument only
+        return jnp.sum(x)
+
+    def returns_it(state, x):
+        state["w"] = state["w"] - 0.1 * jnp.mean(x)
+        return state
+
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    state = {"w": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}
+    with pytest.raises(TypeError, match=r"the step forgets changed args\[0\]\['w'\] in place, to "
+                                        r"a value it does not return"):
+        rt.replicate(forgets, num_replicas=2)(state, rt.distribute(x, 2))
+    with pytest.warns(rt.DivergingStateWarning):  # (w now per replica: each one's own mean)
+        out = rt.replicate(returns_it, num_replicas=2)(dict(state), rt.distribute(x, 2))
+    np.testing.assert_allclose(np.stack([np.asarray(v) for v in out["w"].values]),
+                               [np.ones(3) - 0.1 * x[:2].mean(), np.ones(3) - 0.1 * x[2:].mean()],
+                               rtol=1e-6)
+    with pytest.raises(TypeError, match=r"changed args\[0\]\['w'\] in place"):
+        rt.replicate(forgets, num_replicas=2,
+                     options=rt.RunOptions(dynamic_shapes=True))(state, rt.distribute(x, 2))

@@ -172,3 +172,25 @@ def test_a_jaxpr_traced_outside_a_replica_imports_its_constraint_by_the_same_rul
                                                       r"per-replica type f32\[8,3\] as "
                                                       r"P\('batch',\) over mesh \{'batch': 8\}"):
         import_jaxpr(split)
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_jit_shardings_inside_the_step_follow_the_same_rule(rows):
+    """``jax.jit(f, in_shardings=...)`` called in the step (how ``nnx.jit`` code places a
+    jitted function's arguments): a split is the same ``ShardingConstraintError``, whether
+    or not the replica's rows divide by the mesh (JAX's own divisibility check, an
+    ``IndivisibleError`` before, is skipped in a replica), and ``jax.device_put`` of a
+    split the same; replicated ``in_shardings`` keep the numbers."""
+    mesh = _mesh(("data",), (8,))
+    split = jax.jit(lambda x: x * 2.0, in_shardings=NamedSharding(mesh, P("data")))
+    same = jax.jit(lambda x: x * 2.0, in_shardings=NamedSharding(mesh, P()))
+    x = np.arange(rows * N * 3, dtype=np.float32).reshape(rows * N, 3)
+    with pytest.raises(rt.ShardingConstraintError,
+                       match=rf"^jax\.jit\(in_shardings=\.\.\.\) at .* splits a value of "
+                             rf"per-replica type f32\[{rows},3\] varying as P\('data',\)"):
+        rt.replicate(lambda x: split(x), num_replicas=N)(rt.distribute(x, N))
+    with pytest.raises(rt.ShardingConstraintError, match=rf"^jax\.device_put at .*f32\[{rows},3\]"):
+        rt.replicate(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))),
+                     num_replicas=N)(rt.distribute(x, N))
+    out = rt.replicate(lambda x: same(x), num_replicas=N)(rt.distribute(x, N))
+    np.testing.assert_array_equal(np.concatenate([np.asarray(v) for v in out.values]), x * 2)
