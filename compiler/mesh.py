@@ -74,7 +74,13 @@ def partition_spec(sharding: Sharding | None, rank: int, k: int, varying: bool) 
     replicas along axis 0, scalars stacked)."""
     if varying and rank == 0:
         return P(REPLICA_AXIS)
-    dims = model_spec(sharding, rank, k)
+    try:
+        dims = model_spec(sharding, rank, k)
+    except LoweringError:
+        # a sharding the pass propagated (never an annotation: those are checked against
+        # the mesh with the user's line) that the mesh axes cannot express, such as a
+        # split transposed back: whole on the replica's devices at the step's boundary
+        dims = [None] * rank
     if varying:
         d0 = dims[0] or ()
         dims[0] = (REPLICA_AXIS,) + tuple(d0)

@@ -890,11 +890,34 @@ def define_annotation_primitive(name: str) -> Primitive:
     def transpose(ct, x, **params):
         return [ct if type(ct) is ad.Zero else p.bind(ct, **params)]
 
+    def batcher(args, dims, **params):
+        # the batch dim is whole on every device: the layout gains an unsplit dim there
+        (x,), (d,) = args, dims
+        batched = _with_batch_dim(params.get("sharding"), d, np.ndim(x))
+        if batched is None:
+            return x, d
+        return p.bind(x, **{**params, "sharding": batched}), d
+
     ad.primitive_jvps[p] = jvp
     ad.primitive_transposes[p] = transpose
-    batching.primitive_batchers[p] = lambda args, dims, **params: (args[0], dims[0])
+    batching.primitive_batchers[p] = batcher
     mlir.register_lowering(p, lambda ctx, x, **params: [x])
     return p
+
+
+def _with_batch_dim(sharding: Any, dim: Any, rank: int) -> Any:
+    """``sharding`` (an annotation's, of the unbatched value) for the value with a vmap
+    batch dim at ``dim`` (rank ``rank`` with it): a tile of 1 inserted there for a split,
+    the same sharding for a replicated or maximal one; ``None`` when not batched."""
+    from ir.types import Sharding
+    if not isinstance(sharding, Sharding) or not isinstance(dim, int):
+        return None
+    if sharding.kind != "tiled":
+        return sharding
+    dims = list(sharding.tile_dims)
+    dims.insert(dim % rank, 1)  # (a last, replicated tile dim stays last)
+    return Sharding("tiled", tile_dims=tuple(dims), devices=sharding.devices,
+                    last_tile_dim_replicate=sharding.last_tile_dim_replicate)
 
 
 # -- loop carries that become varying ------------------------------------------------

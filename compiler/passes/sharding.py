@@ -30,9 +30,13 @@ value is ``{replicated}`` (annotations are still validated).
   ``custom_vjp_call``, ``checkpoint``/``remat``) whose region 0 takes the operands and
   returns the results are propagated through: the region is solved with its inputs
   seeded from the operands (forward) and its outputs from the results (backward), and
-  region inputs/outputs propose back to operands/results. Every other op with regions
-  (``while``, ``scan``, ``cond``, ...) is conservative: its results are ``{replicated}``
-  and its regions are solved with ``{replicated}`` inputs (annotations inside still act).
+  region inputs/outputs propose back to operands/results. A ``scan`` is propagated
+  through the same way, its scanned operands (``xs``) and stacked results (``ys``) with
+  dim 0 (the steps', unsplit) taken off or put back: weights split inside a scan over
+  layers, or a step run ``steps_per_call`` times, stay split at its inputs and outputs.
+  Every other op with regions (``while``, ``cond``, ...) is conservative: its results are
+  ``{replicated}`` and its regions are solved with ``{replicated}`` inputs (annotations
+  inside still act).
 - **Conflicts.** When different shardings reach one value, the winner is chosen by, in
   order: (1) an annotation always wins; (2) forward beats backward; (3) the sharding that
   splits the value over more devices (then over more dims) wins; (4) the proposal of the
@@ -547,6 +551,37 @@ RULES: dict[str, Rule] = {
                                                   "cumlogsumexp")},
 }
 
+def _scan_split(op: Op) -> tuple[int, int] | None:
+    """For a ``scan``: (the first scanned operand, the first stacked result): its
+    region takes the constants, the carry and one step's slice of each scanned operand
+    (``xs``), and gives the carry and one step's ``ys``. ``None`` for any other op."""
+    if op.name != "scan":
+        return None
+    consts, carry = op.attr("num_consts"), op.attr("num_carry")
+    if not isinstance(consts, int) or not isinstance(carry, int):
+        return None
+    return consts + carry, carry
+
+
+def _without_dim0(s: Sharding | None) -> Sharding | None:
+    """The sharding of one step's slice of a scanned value of sharding ``s`` (dim 0 is
+    the steps'): ``None`` (no information) when dim 0 is split."""
+    if s is None or s.kind != "tiled":
+        return s
+    if s.tile_dims[0] != 1:
+        return None
+    return Sharding("tiled", s.tile_dims[1:], s.devices,
+                    last_tile_dim_replicate=s.last_tile_dim_replicate)
+
+
+def _with_dim0(s: Sharding) -> Sharding:
+    """The sharding of a scanned value whose steps' slices have sharding ``s``."""
+    if s.kind != "tiled":
+        return s
+    return Sharding("tiled", (1,) + tuple(s.tile_dims), s.devices,
+                    last_tile_dim_replicate=s.last_tile_dim_replicate)
+
+
 #: ops with regions that are propagated through (region 0 takes operands, gives results)
 CALL_OPS = frozenset({"jit", "pjit", "custom_jvp_call", "custom_vjp_call",
                       "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2"}) | jc.CALL_PRIMITIVES
@@ -598,19 +633,24 @@ class _Solver:
     def region_solvers(self, op: Op) -> list[_Solver]:
         ins = tuple(self.get(v) for v in op.operands)
         outs = tuple(self.get(v) for v in op.results)
+        scan = _scan_split(op)
         solvers = []
         for i, g in enumerate(op.regions):
-            if (i == 0 and op.name in CALL_OPS and len(g.inputs) == len(op.operands)
-                    and len(g.outputs) == len(op.results)):
+            if i == 0 and self.is_call(op):
+                if scan is not None:  # the scanned operands and results lose their dim 0
+                    ins = tuple(_without_dim0(x) if j >= scan[0] else x for j, x in enumerate(ins))
+                    outs = tuple(_without_dim0(x) if j >= scan[1] else x for j, x in enumerate(outs))
                 solvers.append(self.sub(op, i, ins, outs))
             else:
                 solvers.append(self.sub(op, i, (REPLICATED,) * len(g.inputs), ()))
         return solvers
 
     def is_call(self, op: Op) -> bool:
+        """Is region 0 of ``op`` propagated through: a call (its inputs the operands, its
+        outputs the results), or a ``scan`` (``_scan_split``)?"""
         g = op.regions[0]
-        return (op.name in CALL_OPS and len(g.inputs) == len(op.operands)
-                and len(g.outputs) == len(op.results))
+        return ((op.name in CALL_OPS or _scan_split(op) is not None)
+                and len(g.inputs) == len(op.operands) and len(g.outputs) == len(op.results))
 
     def proposals(self) -> Iterator[tuple[Value, Sharding, Key]]:
         """Every (value, sharding, key) proposed from the current state."""
@@ -647,14 +687,19 @@ class _Solver:
             if not self.is_call(op):
                 return
             sol = self.region_solvers(op)[0]
+            scan = _scan_split(op)
             if forward:
-                for r, o in zip(op.results, sol.graph.outputs):
+                for j, (r, o) in enumerate(zip(op.results, sol.graph.outputs)):
                     s = sol.get(o)
+                    if s is not None and scan is not None and j >= scan[1]:
+                        s = _with_dim0(s)  # (a ``ys`` result: the steps stacked on dim 0)
                     if s is not None:
                         yield r, s, _key(s, FORWARD, (idx, 0))
             else:
-                for v, i in zip(op.operands, sol.graph.inputs):
+                for j, (v, i) in enumerate(zip(op.operands, sol.graph.inputs)):
                     s = sol.get(i)
+                    if s is not None and scan is not None and j >= scan[0]:
+                        s = _with_dim0(s)  # (an ``xs`` operand: sliced on dim 0 per step)
                     if s is not None:
                         yield v, s, _key(s, BACKWARD, (idx, 0))
             return
@@ -786,6 +831,16 @@ def validate_annotation(op: Op, k: int) -> None:
         extra = " (plus the last, replicated one)" if s.last_tile_dim_replicate else ""
         raise ShardingError(f"{head}: sharding {s} has {n} tile dimension(s){extra} but the "
                             f"operand has rank {rank}{_where(op)}")
+    from compiler.errors import LoweringError
+    from compiler.mesh import model_spec
+    try:  # (the lowering's mapping onto the mesh axes, checked here with the user's line)
+        model_spec(s, rank, k)
+    except LoweringError as e:
+        raise ShardingError(
+            f"{head}: {e}: the logical devices form one mesh axis per prime factor of {k}, "
+            f"smallest first, so a dimension split by a larger factor must come after one "
+            f"split by a smaller (e.g. [2, 3], not [3, 2]; TF tiles any order){_where(op)}"
+        ) from None
 
 
 @dataclass(frozen=True)
