@@ -229,38 +229,31 @@ def test_04_nnx_objects_given_to_the_replicated_step_are_an_error():
 
 
 # the example's train_step with a layout kept inside it, as a step for jax.jit has it
-@nnx.jit
-def train_step_device_put(model: MLP, optimizer: nnx.Optimizer, x, y):
-    x, y = jax.device_put((x, y), data_sharding)
-
+def _update(model: MLP, optimizer: nnx.Optimizer, x, y):
+    """The example's ``train_step`` body (the loss, its gradient, the update)."""
     def loss_fn(model: MLP):
         return jnp.mean((y - model(x)) ** 2)
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
+
+
+@nnx.jit
+def train_step_device_put(model: MLP, optimizer: nnx.Optimizer, x, y):
+    x, y = jax.device_put((x, y), data_sharding)
+    return _update(model, optimizer, x, y)
 
 
 @nnx.jit
 def train_step_constraint(model: MLP, optimizer: nnx.Optimizer, x, y):
     x, y = jax.lax.with_sharding_constraint((x, y), data_sharding)
-
-    def loss_fn(model: MLP):
-        return jnp.mean((y - model(x)) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
+    return _update(model, optimizer, x, y)
 
 
 @nnx.jit(in_shardings=(model_sharding, model_sharding, data_sharding, data_sharding))
 def train_step_in_shardings(model: MLP, optimizer: nnx.Optimizer, x, y):
-    def loss_fn(model: MLP):
-        return jnp.mean((y - model(x)) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
+    return _update(model, optimizer, x, y)
 
 
 @nnx.jit
@@ -268,13 +261,7 @@ def train_step_replicated_layouts(model: MLP, optimizer: nnx.Optimizer, x, y):
     state = jax.device_put(nnx.state((model, optimizer)), model_sharding)
     nnx.update((model, optimizer), state)
     x, y = jax.lax.with_sharding_constraint((x, y), model_sharding)
-
-    def loss_fn(model: MLP):
-        return jnp.mean((y - model(x)) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
+    return _update(model, optimizer, x, y)
 
 
 @pytest.mark.parametrize("batch", [BATCH_04, 8 * N])
