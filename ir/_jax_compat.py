@@ -1132,6 +1132,29 @@ def _install_varying_promotion() -> None:
                 setattr(module, name, wrapper)
 
 
+def forwards(new: Any, old: Any) -> bool:
+    """Is the tracer ``new`` the tracer ``old`` passed through ``jit`` calls unchanged
+    (an output of a ``jit`` equation whose jaxpr returns the input ``old`` came in as)?
+    ``nnx.jit`` writes its outputs back into the objects it was given, so an unchanged
+    state comes back as new tracers of the same values. ``True`` when JAX's tracers cannot
+    be read (nothing is reported then)."""
+    try:
+        for _ in range(64):  # (nested jit calls)
+            if new is old:
+                return True
+            eqn = new.parent
+            if eqn is None or eqn.primitive.name not in ("pjit", "jit"):
+                return False
+            inner = eqn.params["jaxpr"].jaxpr
+            out = inner.outvars[list(eqn.outvars).index(new.val)]
+            if not any(out is v for v in inner.invars):
+                return False
+            new = eqn.in_tracers[[i for i, v in enumerate(inner.invars) if v is out][0]]
+        return False
+    except Exception:  # noqa: BLE001  (another JAX's tracers: do not report)
+        return True
+
+
 def grouped_reduce(x: Any, op: str, groups: list[list[int]], n: int, axis: str) -> Any:
     """``op`` (sum | mean | max | min) of each leaf of ``x`` within each replica's group
     of ``groups`` (a partition of ``0..n-1``) over the replica axis ``axis``: every

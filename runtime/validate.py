@@ -280,15 +280,17 @@ def check_arguments_unchanged(args: tuple, snapshot: tuple | None, out: Any,
     its arguments, as under ``jax.jit``, so such a change is lost and the next call
     starts from the old value without an error: ``nnx.jit``'s in-place updates of a model
     and optimizer given to ``replicate`` trained nothing. A change the step also returns
-    (``state["step"] += 1; return state``) has its value: allowed."""
+    (``state["step"] += 1; return state``) has its value: allowed; so is a leaf that
+    ``nnx.jit`` wrote back unchanged (``jc.forwards``)."""
     if snapshot is None:
         return
     before, before_td = snapshot
     leaves, td = jax.tree_util.tree_flatten(args)
     returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
     if td == before_td:
+        from ir import _jax_compat as jc
         changed = [i for i, (x, y) in enumerate(zip(leaves, before))
-                   if x is not y and id(x) not in returned]
+                   if x is not y and id(x) not in returned and not jc.forwards(x, y)]
         if not changed:
             return
         path = jax.tree_util.tree_flatten_with_path(args)[0][changed[0]][0]

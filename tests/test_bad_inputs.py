@@ -626,3 +626,22 @@ def test_a_step_that_changes_an_argument_in_place_without_returning_it_is_an_err
     with pytest.raises(TypeError, match=r"changed args\[0\]\['w'\] in place"):
         rt.replicate(forgets, num_replicas=2,
                      options=rt.RunOptions(dynamic_shapes=True))(state, rt.distribute(x, 2))
+
+
+def test_an_nnx_jit_step_that_writes_back_unchanged_state_is_not_refused():
+    """``nnx.jit`` writes its outputs back into the objects it was given, so a step that
+    only reads an ``nnx.State`` (``nnx.merge(graphdef, state)(x)``) sees that state come
+    back as new tracers of the same values: not a change (the argument check follows them
+    through the jit call to the inputs), and the numbers are the model's."""
+    from flax import nnx
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    @nnx.jit
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    got = rt.replicate(apply, num_replicas=2)(state, rt.distribute(x, 2))
+    np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in got.values]),
+                               np.asarray(model(x)), rtol=1e-6)
