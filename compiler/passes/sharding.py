@@ -34,7 +34,9 @@ value is ``{replicated}`` (annotations are still validated).
   through the same way, its scanned operands (``xs``) and stacked results (``ys``) with
   dim 0 (the steps', unsplit) taken off or put back: weights split inside a scan over
   layers, or a step run ``steps_per_call`` times, stay split at its inputs and outputs.
-  Every other op with regions (``while``, ``cond``, ...) is conservative: its results are
+  A ``cond``'s branches are each propagated through the same way (they take the operands
+  after the index; where branches disagree, the first branch's proposal wins). Every
+  other op with regions (``while``, ...) is conservative: its results are
   ``{replicated}`` and its regions are solved with ``{replicated}`` inputs (annotations
   inside still act).
 - **Conflicts.** When different shardings reach one value, the winner is chosen by, in
@@ -551,6 +553,14 @@ RULES: dict[str, Rule] = {
                                                   "cumlogsumexp")},
 }
 
+def _is_branching(op: Op) -> bool:
+    """A ``cond`` whose every branch takes the operands after the branch index and
+    gives the results (propagated through like calls, one solver per branch)."""
+    return (op.name == "cond" and bool(op.regions) and bool(op.operands)
+            and all(len(g.inputs) == len(op.operands) - 1 and len(g.outputs) == len(op.results)
+                    for g in op.regions))
+
+
 def _scan_split(op: Op) -> tuple[int, int] | None:
     """For a ``scan``: (the first scanned operand, the first stacked result): its
     region takes the constants, the carry and one step's slice of each scanned operand
@@ -633,6 +643,8 @@ class _Solver:
     def region_solvers(self, op: Op) -> list[_Solver]:
         ins = tuple(self.get(v) for v in op.operands)
         outs = tuple(self.get(v) for v in op.results)
+        if _is_branching(op):  # each branch takes the operands after the index
+            return [self.sub(op, i, ins[1:], outs) for i in range(len(op.regions))]
         scan = _scan_split(op)
         solvers = []
         for i, g in enumerate(op.regions):
@@ -649,8 +661,9 @@ class _Solver:
         """Is region 0 of ``op`` propagated through: a call (its inputs the operands, its
         outputs the results), or a ``scan`` (``_scan_split``)?"""
         g = op.regions[0]
-        return ((op.name in CALL_OPS or _scan_split(op) is not None)
-                and len(g.inputs) == len(op.operands) and len(g.outputs) == len(op.results))
+        return _is_branching(op) or (
+            (op.name in CALL_OPS or _scan_split(op) is not None)
+            and len(g.inputs) == len(op.operands) and len(g.outputs) == len(op.results))
 
     def proposals(self) -> Iterator[tuple[Value, Sharding, Key]]:
         """Every (value, sharding, key) proposed from the current state."""
@@ -685,6 +698,15 @@ class _Solver:
                     yield r, REPLICATED, _key(REPLICATED, FORWARD, (idx, 0))
                 return
             if not self.is_call(op):
+                return
+            if _is_branching(op):  # every branch proposes (conflicts: the first branch's)
+                for b, sol in enumerate(self.region_solvers(op)):
+                    pairs = (zip(op.results, sol.graph.outputs) if forward
+                             else zip(op.operands[1:], sol.graph.inputs))
+                    for v, inner in pairs:
+                        s = sol.get(inner)
+                        if s is not None:
+                            yield v, s, _key(s, FORWARD if forward else BACKWARD, (idx, b))
                 return
             sol = self.region_solvers(op)[0]
             scan = _scan_split(op)
@@ -861,11 +883,37 @@ class ShardingPass:
         for op, _ in graph.walk():
             if op.name == "shard":
                 validate_annotation(op, k)
+            elif op.name == "cond" and k > 1:
+                _check_branch_annotations(op, k)
         if k == 1:
             return _all_replicated(graph)
         names = value_names(graph)
         root = _Solver(graph, k, (None,) * len(graph.inputs), (), {})
         return root.emit(names)
+
+
+def _check_branch_annotations(op: Op, k: int) -> None:
+    """Raise :class:`ShardingError` when the branches of the ``cond`` ``op`` annotate
+    the same result with different layouts (each branch ending in a ``shard``): XLA
+    requires the roots of a conditional's branches to agree and fails with an internal
+    error otherwise. Annotate the ``cond``'s result once, after it, instead."""
+    for j in range(len(op.results)):
+        seen: dict = {}
+        for b, g in enumerate(op.regions):
+            producer = g.producers().get(g.outputs[j]) if j < len(g.outputs) else None
+            if producer is not None and producer.name == "shard":
+                seen.setdefault(canonical(producer.attr("sharding"), g.outputs[j].type.rank, k),
+                                (b, producer))
+        if len(seen) > 1:
+            (s1, (b1, p1)), (s2, (b2, p2)) = list(seen.items())[:2]
+            # (lax.cond's regions are [false, true]; a switch's are its branches in order)
+            name = (lambda b: ("the false branch", "the true branch")[b]) \
+                if len(op.regions) == 2 else (lambda b: f"branch {b}")
+            raise ShardingError(
+                f"cond{_where(op)}: {name(b1)} annotates result {j} as {s1}{_where(p1)} and "
+                f"{name(b2)} as {s2}{_where(p2)}; a conditional's branches must give their "
+                f"results one layout (XLA refuses otherwise): annotate the cond's result "
+                f"once, after it")
 
 
 def _all_replicated(graph: Graph, memo: RegionMemo | None = None) -> Graph:
