@@ -115,11 +115,9 @@ def _replica_layout(what: str, bind: Callable, args: tuple, params: dict) -> Any
     axis = CURRENT_AXIS.get()
 
     def check(x: Any, sharding: Any) -> None:
-        if jc.is_sharding(sharding) and not sharding.is_fully_replicated:
-            aval = jax.typeof(x)
-            rep = Replica.VARYING if jc.varies_over(aval, axis) else Replica.MIRRORED
-            check_layout(what, sharding, type_of_aval(aval, rep),
-                         jc.user_call_site(jc.current_source_info().traceback))
+        aval = jax.typeof(x)
+        rep = Replica.VARYING if jc.varies_over(aval, axis) else Replica.MIRRORED
+        check_layout(what, sharding, type_of_aval(aval, rep), jc.current_source_info().traceback)
 
     def annotate(x: Any) -> Any:
         return SHARD.bind(x, sharding=Sharding.replicated(), annotation=what)

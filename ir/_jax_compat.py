@@ -1362,6 +1362,7 @@ def install_vjp_hook(policy: Any) -> None:
     hooked._replicate_hlo = True
     api._vjp3_bwd = hooked
     _install_linear_transpose_hook(api, state)
+    _install_jvp_cast(api, state)
 
 
 def _install_linear_transpose_hook(api: Any, state: Any) -> None:
@@ -1403,6 +1404,9 @@ def _install_linear_transpose_hook(api: Any, state: Any) -> None:
     api.linear_transpose = linear_transpose
     jax.linear_transpose = linear_transpose
 
+
+def _install_jvp_cast(api: Any, state: Any) -> None:
+    """``jax.jvp`` while a replica is traced: primals and tangents cast to one type."""
     orig_jvp = api.jvp
 
     @functools.wraps(orig_jvp)

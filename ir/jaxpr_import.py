@@ -167,8 +167,7 @@ class _Importer:
             return
         if eqn.primitive.name == "device_put":  # a layout inside jit: the same rule
             for d, v in zip(eqn.params.get("devices", ()), operands):
-                check_layout("jax.device_put", d, v.type, jc.user_call_site(
-                    eqn.source_info.traceback))
+                check_layout("jax.device_put", d, v.type, eqn.source_info.traceback)
         elif eqn.primitive.name in ("pjit", "jit") and "in_shardings" in eqn.params:
             self.check_jit_layouts(eqn, operands)
         results, traced = [], []
@@ -218,7 +217,7 @@ class _Importer:
         own part (a batch is split over the replicas already), and splitting it over a
         replica's logical devices is ``rt.split_to_logical_devices``'s."""
         check_layout("with_sharding_constraint", eqn.params.get("sharding"), operand.type,
-                     jc.user_call_site(eqn.source_info.traceback))
+                     eqn.source_info.traceback)
         if eqn.params.get("unconstrained_dims"):
             self.env[eqn.outvars[0]] = operand
             return
@@ -234,15 +233,11 @@ class _Importer:
         function the step calls: the same rule as a sharding constraint (``check_layout``):
         one that splits is a ``ShardingConstraintError``; the others are dropped (the
         lowering re-derives a replica's layouts, :meth:`attr`)."""
-        site = None
-        pairs = [("in_shardings", s, v.type) for s, v in zip(eqn.params["in_shardings"],
-                                                            operands)]
-        pairs += [("out_shardings", s, type_of_aval(v.aval))
-                  for s, v in zip(eqn.params.get("out_shardings", ()), eqn.outvars)]
-        for which, sharding, t in pairs:
-            if jc.is_sharding(sharding) and not sharding.is_fully_replicated:
-                site = jc.user_call_site(eqn.source_info.traceback) if site is None else site
-                check_layout(f"jax.jit({which}=...)", sharding, t, site)
+        tb = eqn.source_info.traceback
+        for s, v in zip(eqn.params["in_shardings"], operands):
+            check_layout("jax.jit(in_shardings=...)", s, v.type, tb)
+        for s, v in zip(eqn.params.get("out_shardings", ()), eqn.outvars):
+            check_layout("jax.jit(out_shardings=...)", s, type_of_aval(v.aval), tb)
 
     def typed(self, aval: Any) -> tuple[TensorType, bool]:
         """The IR type of a result's abstract value, and whether JAX typed it varying over
@@ -304,10 +299,11 @@ class _Importer:
         return v
 
 
-def check_layout(what: str, sharding: Any, value_type: TensorType, site: str) -> None:
+def check_layout(what: str, sharding: Any, value_type: TensorType, traceback: Any) -> None:
     """Raise :class:`ShardingConstraintError` if ``sharding`` (a layout the step's code
     asks JAX for, ``NamedSharding(mesh, P('batch'))``) splits a value of a replica's
-    program (``value_type``, its per-replica type; ``site``: the user's line). A device,
+    program (``value_type``, its per-replica type; ``traceback``: JAX's, where the user's
+    line is read from, only for the error). A device,
     ``None``, a replicated layout or one whose only entries are ``P.UNCONSTRAINED`` pass:
     a layout never changes a value, and a replica's program keeps these as the
     replicated annotation (``compiler.trace``) or drops them."""
@@ -317,6 +313,7 @@ def check_layout(what: str, sharding: Any, value_type: TensorType, site: str) ->
     if spec is not None and not any(d is not None and not jc.is_unconstrained(d)
                                     for d in spec):
         return
+    site = jc.user_call_site(traceback)
     where = f" at {site}" if site else ""
     mesh = getattr(sharding, "mesh", None)
     over = f" over mesh {dict(mesh.shape)}" if mesh is not None else ""

@@ -545,12 +545,10 @@ class DynamicPath:
             it = iter(flat[k:])
             slots = [next(it) if lay is None else jax.tree.unflatten(lay[0], [next(it) for _ in lay[1]])
                      for lay in in_layout]
-            from runtime.validate import (argument_snapshot, check_arguments_unchanged,
-                                          check_results, keep_container_types)
-            args = jax.tree.unflatten(treedef, slots)
-            snapshot = argument_snapshot(args)
-            out = fn(*args)
-            check_arguments_unchanged(args, snapshot, out, getattr(rep, "__name__", "step"))
+            from runtime.validate import (call_checking_arguments, check_results,
+                                          keep_container_types)
+            out = call_checking_arguments(fn, jax.tree.unflatten(treedef, slots),
+                                          getattr(rep, "__name__", "step"))
             out = keep_container_types(out)
             check_results(out, getattr(rep, "__name__", "step"))
             out_leaves, out_td = jax.tree.flatten(out)

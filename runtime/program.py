@@ -420,11 +420,8 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
         it = iter(flat)
         slots = [next(it) if lay is None else [next(it) for _ in lay[1]] for lay in in_layout]
         if k_steps == 1:
-            from runtime.validate import argument_snapshot, check_arguments_unchanged
-            args = build_args(slots)
-            snapshot = argument_snapshot(args)
-            out = fn(*args)
-            check_arguments_unchanged(args, snapshot, out, getattr(rep, "__name__", "step"))
+            from runtime.validate import call_checking_arguments
+            out = call_checking_arguments(fn, build_args(slots), getattr(rep, "__name__", "step"))
         else:
             mask = [False if lay is None else [True] * len(lay[1]) for lay in in_layout]
             out = scan_steps(fn, build_args(slots), build_args(mask), k_steps,

@@ -263,6 +263,14 @@ def check_results(out: Any, fn_name: str) -> None:
                         f"return arrays or numbers (pytrees of them)")
 
 
+def call_checking_arguments(fn: Any, args: tuple, fn_name: str) -> Any:
+    """``fn(*args)`` while a step is traced, then :func:`check_arguments_unchanged`."""
+    snapshot = argument_snapshot(args)
+    out = fn(*args)
+    check_arguments_unchanged(args, snapshot, out, fn_name)
+    return out
+
+
 def argument_snapshot(args: tuple) -> tuple | None:
     """The arguments' leaves and structure as the step is about to see them, for
     :func:`check_arguments_unchanged`; ``None`` when flattening them twice does not give

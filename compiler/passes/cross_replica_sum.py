@@ -101,6 +101,14 @@ def _nbytes(v: Value) -> int:
         return n * 4
 
 
+def _uses(graph: Graph, cache: list) -> list:
+    """The graph's users and producers, made on first need into ``cache`` (most graphs
+    never ask)."""
+    if not cache:
+        cache.extend((graph.users(), graph.producers()))
+    return cache
+
+
 @dataclass(frozen=True)
 class CrossReplicaSumPass:
     """Marks and scales gradient all-reduces (see module docstring)."""
@@ -169,18 +177,14 @@ class CrossReplicaSumPass:
         """Is each result of the all-reduce ``op`` read only by divisions by N (a
         ``pmean``)? ``uses`` caches the graph's users and producers (built on first need:
         most graphs never ask)."""
-        if not uses:
-            uses.extend((graph.users(), graph.producers()))
-        users, producers = uses
+        users, producers = _uses(graph, uses)
         return all(_is_pmean(r, users.get(r, []), producers, self.num_replicas)
                    for r in op.results)
 
     def _of_constants(self, op: Op, graph: Graph, uses: list) -> bool:
         """Are all of ``op``'s operands constants? ``lax.psum(1, axis)`` is pmap code's
         way to count the replicas: the sum by N is what it asks for."""
-        if not uses:
-            uses.extend((graph.users(), graph.producers()))
-        producers = uses[1]
+        producers = _uses(graph, uses)[1]
 
         def constant(v: Any) -> bool:
             p = producers.get(v)
