@@ -315,6 +315,46 @@ def test_split_inside_a_traced_call_is_kept():
     np.testing.assert_allclose(got["w"], _oracle(plain, p, x, 2, 1)["w"], rtol=1e-5, atol=1e-6)
 
 
+def test_splits_propagate_through_while_loops_to_the_steps_boundary():
+    """A weight split before a ``lax.while_loop`` whose trip count is a run-time value
+    (``fori_loop`` with a traced bound), and a carry split only inside the loop's body,
+    come out of the step split, not whole on every logical device (before, the sharding
+    pass gave ``while`` results ``{replicated}``); the weight going in takes the split.
+    A body that splits its carry another way than the carry came in wins (the annotation
+    inside), and numbers equal ``jax.jit``'s on one device."""
+    n, k = 2, 4
+    split = rt.split_to_logical_devices
+
+    def make(split):
+        def step(w, v, x, trips):
+            w = split(w, [1, k])
+            w2 = jax.lax.fori_loop(0, trips, lambda i, c: jnp.tanh(c) * 0.9, w)
+            v2 = jax.lax.while_loop(lambda c: c[0] < trips,
+                                    lambda c: (c[0] + 1, split(c[1] * 1.5 - 0.25, [k, 1])),
+                                    (jnp.int32(0), v))[1]
+            return w2, v2, x @ w2
+        return step
+
+    rng = np.random.default_rng(11)
+    w = rng.normal(size=(8, 8)).astype(np.float32)
+    v = rng.normal(size=(8, 4)).astype(np.float32)
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+    rep = rt.replicate(make(split), num_replicas=n, logical_devices=k)
+    w2, v2, y = rep(w, v, rt.distribute(x, n), np.int32(3))
+    want_w2, want_v2, want_y = jax.jit(make(lambda a, dims: a))(w, v, x, np.int32(3))
+    np.testing.assert_allclose(np.asarray(w2), np.asarray(want_w2), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(v2), np.asarray(want_v2), rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate([np.asarray(a) for a in y.values]),
+                               np.asarray(want_y), rtol=1e-5, atol=1e-6)
+    ir = rep.lower(w, v, rt.distribute(x, n), np.int32(3)).ir(after="sharding")
+    cols = f"{{devices=[1,{k}]0,1,2,3}}"
+    assert str(ir.inputs[0].type) == f"f32[8,8] mirrored {cols}"
+    assert str(ir.outputs[0].type) == f"f32[8,8] mirrored {cols}"
+    assert str(ir.outputs[1].type) == f"f32[8,4] mirrored {{devices=[{k},1]0,1,2,3}}"
+    assert w2.sharding.shard_shape(w2.shape) == (8, 8 // k)   # the results really split
+    assert v2.sharding.shard_shape(v2.shape) == (8 // k, 4)
+
+
 def test_splits_propagate_through_cond_and_scan_to_the_steps_boundary():
     """A value split only inside a ``lax.cond``'s branches (and a scan over two layers whose
     body splits its carry) comes out of the step split, not whole on every logical device

@@ -26,7 +26,7 @@ CASES = {
     "maximal": 2,       # assign_to_logical_device through elementwise ops only
     "k1": 1,            # one logical device: everything replicated
     "partial": 4,       # last_tile_dim_replicate
-    "regions": 2,       # call-like regions and scan propagate; while is conservative
+    "regions": 2,       # call-like regions, scan and while propagate
 }
 
 

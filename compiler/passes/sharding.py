@@ -35,10 +35,13 @@ value is ``{replicated}`` (annotations are still validated).
   dim 0 (the steps', unsplit) taken off or put back: weights split inside a scan over
   layers, or a step run ``steps_per_call`` times, stay split at its inputs and outputs.
   A ``cond``'s branches are each propagated through the same way (they take the operands
-  after the index; where branches disagree, the first branch's proposal wins). Every
-  other op with regions (``while``, ...) is conservative: its results are
-  ``{replicated}`` and its regions are solved with ``{replicated}`` inputs (annotations
-  inside still act).
+  after the index; where branches disagree, the first branch's proposal wins). A
+  ``while`` is propagated through its body: the body takes the body constants and the
+  carry (seeded from the operands, a carry with no sharding of its own from the
+  result's) and gives the carry, which proposes to the results; the condition takes the
+  condition constants and the carry (its predicate proposes nothing). Every other op
+  with regions is conservative: its results are ``{replicated}`` and its regions are
+  solved with ``{replicated}`` inputs (annotations inside still act).
 - **Conflicts.** When different shardings reach one value, the winner is chosen by, in
   order: (1) an annotation always wins; (2) forward beats backward; (3) the sharding that
   splits the value over more devices (then over more dims) wins; (4) the proposal of the
@@ -573,6 +576,26 @@ def _scan_split(op: Op) -> tuple[int, int] | None:
     return consts + carry, carry
 
 
+def _while_parts(op: Op) -> tuple[int, int, int, int] | None:
+    """For a ``while`` whose regions fit its operands (the condition takes its constants
+    and the carry and gives one predicate; the body takes its constants and the carry and
+    gives the carry): (condition constants, body constants, condition region index, body
+    region index). ``None`` for any other op."""
+    if op.name != "while" or len(op.regions) != 2:
+        return None
+    cn, bn = op.attr("cond_nconsts"), op.attr("body_nconsts")
+    ci, bi = op.attr("cond_jaxpr"), op.attr("body_jaxpr")
+    if not (isinstance(cn, int) and isinstance(bn, int) and hasattr(ci, "index")
+            and hasattr(bi, "index") and {ci.index, bi.index} == {0, 1}):
+        return None
+    ncarry = len(op.operands) - cn - bn
+    cond, body = op.regions[ci.index], op.regions[bi.index]
+    if (ncarry != len(op.results) or len(cond.inputs) != cn + ncarry or len(cond.outputs) != 1
+            or len(body.inputs) != bn + ncarry or len(body.outputs) != ncarry):
+        return None
+    return cn, bn, ci.index, bi.index
+
+
 def _without_dim0(s: Sharding | None) -> Sharding | None:
     """The sharding of one step's slice of a scanned value of sharding ``s`` (dim 0 is
     the steps'): ``None`` (no information) when dim 0 is split."""
@@ -645,6 +668,14 @@ class _Solver:
         outs = tuple(self.get(v) for v in op.results)
         if _is_branching(op):  # each branch takes the operands after the index
             return [self.sub(op, i, ins[1:], outs) for i in range(len(op.regions))]
+        loop = _while_parts(op)
+        if loop is not None:  # a carry without a sharding of its own takes the result's
+            cn, bn, ci, bi = loop
+            carry = tuple(o if i is None else i for i, o in zip(ins[cn + bn:], outs))
+            solvers = [None, None]
+            solvers[ci] = self.sub(op, ci, ins[:cn] + carry, ())
+            solvers[bi] = self.sub(op, bi, ins[cn:cn + bn] + carry, outs)
+            return solvers
         scan = _scan_split(op)
         solvers = []
         for i, g in enumerate(op.regions):
@@ -661,7 +692,7 @@ class _Solver:
         """Is region 0 of ``op`` propagated through: a call (its inputs the operands, its
         outputs the results), or a ``scan`` (``_scan_split``)?"""
         g = op.regions[0]
-        return _is_branching(op) or (
+        return _is_branching(op) or _while_parts(op) is not None or (
             (op.name in CALL_OPS or _scan_split(op) is not None)
             and len(g.inputs) == len(op.operands) and len(g.outputs) == len(op.results))
 
@@ -708,6 +739,10 @@ class _Solver:
                         if s is not None:
                             yield v, s, _key(s, FORWARD if forward else BACKWARD, (idx, b))
                 return
+            loop = _while_parts(op)
+            if loop is not None:
+                yield from self._while_props(idx, op, loop, forward)
+                return
             sol = self.region_solvers(op)[0]
             scan = _scan_split(op)
             if forward:
@@ -742,6 +777,23 @@ class _Solver:
                 if s.kind == "maximal" and op.name not in ELEMENTWISE + IDENTITY:
                     continue
                 yield v, s, _key(s, strength, (idx, sub))
+
+    def _while_props(self, idx: int, op: Op, loop: tuple[int, int, int, int],
+                     forward: bool) -> Iterator[tuple[Value, Sharding, Key]]:
+        """A ``while``'s proposals (:func:`_while_parts`): forward, the body's carry out
+        to the results; backward, the regions' inputs to the constants and the carry."""
+        cn, bn, ci, bi = loop
+        solvers = self.region_solvers(op)
+        body, cond = solvers[bi], solvers[ci]
+        if forward:
+            pairs = [(v, body, o) for v, o in zip(op.results, body.graph.outputs)]
+        else:
+            pairs = [*[(v, cond, i) for v, i in zip(op.operands[:cn], cond.graph.inputs)],
+                     *[(v, body, i) for v, i in zip(op.operands[cn:], body.graph.inputs)]]
+        for v, sol, inner in pairs:
+            s = sol.get(inner)
+            if s is not None:
+                yield v, s, _key(s, FORWARD if forward else BACKWARD, (idx, 0))
 
     def run(self) -> None:
         for _ in range(1000):  # keys only grow, so this ends; the bound is a guard
