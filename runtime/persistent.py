@@ -8,11 +8,16 @@ Enabled by ``RunOptions(cache_dir=DIR)`` or ``$RT_CACHE_DIR``. Two layers, both 
   process-wide: the first step with a cache dir sets it. It serves the XLA compile when
   our own record is missing (e.g. after the function's source text changed but the
   program did not).
-- ``DIR/rt/<sha256>.rec``: our record of one program, keyed *before* tracing by
-  :func:`digest` over the named :func:`key_entries`. It holds the serialized executable
-  (``jax.experimental.serialize_executable``), the IR text after every pass, the
-  StableHLO text, and what the runtime needs to call the program (input layout, output
-  pytree, which outputs vary per replica). A hit skips trace, passes, lowering and XLA.
+- ``DIR/rt/<sha256>.rec``: our record of one program, keyed by :func:`digest` over the
+  named :func:`key_entries` and, last, ``program``: the fingerprint of the step as traced
+  for this call (:func:`program_fingerprint`: its IR and the bytes of every constant). It
+  holds the serialized executable (``jax.experimental.serialize_executable``), the IR text
+  after every pass, the StableHLO text, and what the runtime needs to call the program
+  (input layout, output pytree, which outputs vary per replica). A hit skips the passes,
+  lowering and XLA; the step is still traced (JAX's own persistent cache keys by the
+  lowered program for the same reason): a key taken before tracing cannot see a value the
+  step closes over, and a changed learning rate inside ``optax.sgd(lr)``, or a changed
+  array the step reads, ran the old program (``tests/test_persistent_cache.py``).
   Beside it, ``<sha256>.json`` keeps the key entries in clear, and
   ``DIR/rt/last_miss.json`` says which entries differed on the last miss
   (``python -m tools.cache explain DIR``, ``step.cache_explain()``). When the XLA
@@ -50,11 +55,15 @@ The key (``key_entries``, in this order; the digest is sha256 over
 ``options``             num_replicas, logical_devices, loss_reduction, verify,
                         steps_per_call, donate, step_outputs,
                         bucket_bytes, dynamic_shapes, bucketing, maximum_shapes
+``program``             sha256 of the step traced for this call (:func:`program_fingerprint`):
+                        every value the program depends on, closed-over objects and arrays
+                        included, whatever the code entries above could see of them
 ======================  ====================================================================
 
-Limits: values captured by closure or global that are arrays or objects enter the key by
-type only; a change there that changes the program without changing any code is not
-seen (delete the record, or change the cache dir).
+The code entries (``fn.code``, ``fn.source``) see closure values and globals of simple
+types only; they stay in the key to name what changed (``last_miss.json``), and the
+``program`` entry is what makes the key sound: a step that closes over an optimizer, a
+model object or an array traces to another program when those change, and misses.
 """
 from __future__ import annotations
 
@@ -65,6 +74,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import sysconfig
 import tempfile
 import threading
@@ -72,6 +82,8 @@ import time
 import types
 import warnings
 from typing import Any, Callable
+
+import numpy as np
 
 from ir import _jax_compat as jc
 
@@ -253,6 +265,35 @@ def digest(entries: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def program_fingerprint(graph: Any) -> str:
+    """sha256 (hex) of a traced step's program: the imported IR's text (object addresses,
+    which differ between processes, dropped) and the dtype, shape and bytes of every
+    constant, shared regions once. Two traces give the same fingerprint exactly when
+    they are the same program: constants closed over (an array, a learning rate inside an
+    optimizer object) are in it whatever the code key could see of them."""
+    from ir.printer import print_graph
+    h = hashlib.sha256()
+    h.update(_ADDRESS.sub(" at 0x?", print_graph(graph)).encode())
+    seen: set[int] = set()
+
+    def consts(g: Any) -> None:
+        for op in g.ops:
+            if op.name == "constant":
+                v = np.asarray(op.attr("value"))
+                h.update(f"{v.dtype.str}{v.shape}".encode())
+                h.update(repr(v.tolist()).encode() if v.dtype == object
+                         else np.ascontiguousarray(v).tobytes())
+            for r in op.regions:
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    consts(r)
+    consts(graph)
+    return h.hexdigest()
+
+
 def short_name(owner: Any, key: tuple) -> str:
     """``<fn>-<first 10 hex digits of the digest>``: a dump's folder name."""
     name = getattr(owner.fn, "__name__", "step")
@@ -431,11 +472,15 @@ class PersistentCache:
         return out
 
     # -- the runtime's entry point
-    def build(self, owner: Any, key: tuple, build: Callable[[], Any]) -> Any:
-        """The program for ``key``: from record on disk (counted as a disk hit), else
-        ``build()`` (trace, passes, lower, compile; XLA may hit JAX's own cache) and
-        store it."""
+    def build(self, owner: Any, key: tuple, trace: Callable[[], Any],
+              finish: Callable[[Any], Any]) -> Any:
+        """The program for ``key``: ``trace()`` traces the step (``runtime.program.
+        trace_step``), whose fingerprint ends the key; then the record on disk (counted as
+        a disk hit), else ``finish(traced)`` (passes, lower, compile; XLA may hit JAX's
+        own cache), stored."""
         entries = key_entries(owner, key)
+        traced = trace()
+        entries["program"] = program_fingerprint(traced.graph)
         d = digest(entries)
         rec = self.load(d)
         if rec is not None and (rec.get("digest") != d or rec.get("entries") != entries):
@@ -456,7 +501,7 @@ class PersistentCache:
                 return prog
         miss = self.explain_miss(d, entries)
         before = _xla_cache_hits()
-        prog = build()
+        prog = finish(traced)
         # An executable that JAX loaded from its own cache cannot be serialized again on
         # CPU (the reloaded object code is not kept): then the record keeps no executable
         # and later processes trace again and get the executable from JAX's cache.
@@ -545,10 +590,17 @@ def explain_text(info: dict[str, Any]) -> str:
                  f"{info['compared_with'][:16]}: {len(info['differing'])} entr"
                  f"{'y' if len(info['differing']) == 1 else 'ies'} differ")
     for d in info["differing"]:
-        lines.append(f"  {d['entry']}:")
+        what = _MEANING.get(d["entry"])
+        lines.append(f"  {d['entry']}:" + (f" {what}" if what else ""))
         lines.append(f"    before: {_clip(d['before'])}")
         lines.append(f"    after:  {_clip(d['after'])}")
     return "\n".join(lines)
+
+
+#: what a differing entry means, where its value does not say (``explain_text``)
+_MEANING = {"program": "the traced step differs (its IR or a constant in it): a value it "
+                       "closes over changed (an optimizer's learning rate, a model object, "
+                       "an array), or code it calls"}
 
 
 def _clip(v: Any, n: int = 160) -> str:

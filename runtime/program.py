@@ -6,6 +6,8 @@ none of them.
 - :func:`leaf_sig`: the part of the cache key one mirrored leaf decides.
 - :func:`build`: trace, passes, lower (the IR run under ``shard_map`` + ``jax.jit``) for one
   key, giving a :class:`Program`; ``Program.compile()`` adds the executable.
+  :func:`trace_step` is its first stage alone (the persistent cache checks a record
+  against it), and ``build(..., traced=...)`` continues from it.
 - :class:`Layout`: where a step's values live on its mesh: per-replica arguments as
   global arrays (:meth:`Layout.global_inputs`), varying results split back into deferred
   ``PerReplica`` values (:meth:`Layout.split`).
@@ -375,16 +377,41 @@ class Program:
 
 
 # -- building a program -----------------------------------------------------------------
-def build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool = True) -> Program:
-    """Trace ``rep.fn`` for the signature ``key``, run the passes, lower: a
-    :class:`Program` not yet compiled. ``keep``: every pass's IR can be read
-    (``Lowered.ir``): the imported and the last are kept, the others made again when
-    first asked for (``Program.records``)."""
+class TracedStep:
+    """A step traced for one cache key and imported into the IR (:func:`trace_step`),
+    before the passes: what :func:`build` continues from. ``graph`` is the imported IR
+    (the persistent cache fingerprints it: ``runtime.persistent.program_fingerprint``)."""
+
+    __slots__ = ("graph", "specs", "in_layout", "out_treedef", "donated", "seconds", "split",
+                 "local_views")
+
+    def __init__(self, graph, specs, in_layout, out_treedef, donated, seconds, split,
+                 local_views) -> None:
+        self.graph, self.specs, self.in_layout = graph, specs, in_layout
+        self.out_treedef, self.donated, self.seconds = out_treedef, donated, seconds
+        self.split, self.local_views = split, local_views
+
+
+def build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool = True,
+          traced: TracedStep | None = None) -> Program:
+    """Trace ``rep.fn`` for the signature ``key`` (or take ``traced``, its trace for that
+    key), run the passes, lower: a :class:`Program` not yet compiled. ``keep``: every
+    pass's IR can be read (``Lowered.ir``): the imported and the last are kept, the others
+    made again when first asked for (``Program.records``)."""
     with gc_paused():
-        return _build(rep, leaves, treedef, key, keep)
+        if traced is None:
+            traced = _trace_step(rep, leaves, treedef, key)
+        return _build(rep, treedef, key, keep, traced)
 
 
-def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Program:
+def trace_step(rep: Any, leaves: list, treedef: Any, key: tuple) -> TracedStep:
+    """Trace ``rep.fn`` for the signature ``key`` and import it (the first stage of
+    :func:`build`, which continues from the result)."""
+    with gc_paused():
+        return _trace_step(rep, leaves, treedef, key)
+
+
+def _trace_step(rep: Any, leaves: list, treedef: Any, key: tuple) -> TracedStep:
     n = rep.num_replicas
     specs: list[LeafSpec] = []
     in_layout: list = []
@@ -438,6 +465,15 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
         graph, t_import = trace_replica_fn(flat_fn, specs, n, getattr(rep, "__name__", "step"),
                                            logical_devices=rep.logical_devices, split=split,
                                            axis_name=rep.axis_name)
+    return TracedStep(graph, specs, in_layout, out_info["treedef"], donated, t_import, split,
+                      bool(local_views))
+
+
+def _build(rep: Any, treedef: Any, key: tuple, keep: bool, traced: TracedStep) -> Program:
+    n = rep.num_replicas
+    graph, specs, in_layout = traced.graph, traced.specs, traced.in_layout
+    donated, t_import, split = traced.donated, traced.seconds, traced.split
+    out_info = {"treedef": traced.out_treedef}
     passes = parse_pipeline(rep.options.pipeline, num_replicas=n,
                             loss_reduction=rep.loss_reduction,
                             num_logical_devices=rep.logical_devices,
@@ -449,7 +485,7 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
     pm = PassManager(passes, verify=rep.options.verify, dump_dir=dump,
                      keep="ends" if keep else False)
     final = pm.run(graph, import_seconds=t_import)
-    if not local_views:  # a result in a mirrored argument's place that comes out varying
+    if not traced.local_views:  # a result in a mirrored argument's place that comes out varying
         check_diverging_state(getattr(rep, "__name__", "step"), treedef,
                               [None if lay is not None else sig
                                for lay, sig in zip(in_layout, key[1])],
@@ -470,9 +506,9 @@ def _build(rep: Any, leaves: list, treedef: Any, key: tuple, keep: bool) -> Prog
         shape = global_shape(s.shape, n) if s.varying else s.shape
         gavals.append(jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type))
     t0 = time.perf_counter()
-    traced = jitted.trace(*(treedef.unflatten(gavals) if entry else gavals))
+    jax_traced = jitted.trace(*(treedef.unflatten(gavals) if entry else gavals))
     t1 = time.perf_counter()
-    jax_lowered = traced.lower()
+    jax_lowered = jax_traced.lower()
     t2 = time.perf_counter()
     prog = Program(rep, pm.records, jax_lowered, in_layout, out_info["treedef"],
                    out_varying, out_ranks, entry_tree=treedef if entry else None,

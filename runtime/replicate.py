@@ -461,15 +461,17 @@ class Replicated:
         return info._replace(hits=info.hits + direct)
 
     def _build(self, leaves: list, treedef: Any, key: tuple) -> Program:
-        """A cache miss: the persistent cache's record when there is one, else
-        trace, passes, lower and compile (and store the result on disk)."""
+        """A cache miss: trace, then the persistent cache's record of that program when
+        there is one, else passes, lower and compile (and store the result on disk)."""
         from runtime import persistent
         root = persistent.usable_cache_dir(self.options)
         if not root:
             # only the final IR is needed to run (a dump or a record keeps them all)
             return _prog.build(self, leaves, treedef, key, keep=False).compile()
         store = persistent.PersistentCache(root)
-        return store.build(self, key, lambda: _prog.build(self, leaves, treedef, key).compile())
+        return store.build(self, key, lambda: _prog.trace_step(self, leaves, treedef, key),
+                           lambda traced: _prog.build(self, leaves, treedef, key,
+                                                      traced=traced).compile())
 
     def _dump_folder(self, key: tuple, sub: str = "") -> str:
         """``<dump dir>/<fn>-<key hash>[/sub]``, or ``""`` when not dumping."""

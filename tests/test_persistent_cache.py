@@ -25,11 +25,20 @@ import runtime as rt
 
 SCALE = float(os.environ.get("SCALE", "0.1"))
 
+
+class Config:  # an object the step reads: the code key sees its type only
+    def __init__(self, mult):
+        self.mult = mult
+
+
+CFG = Config(float(os.environ.get("MULT", "1.0")))
+BIAS = np.full((2,), float(os.environ.get("BIAS", "0.0")), np.float32)  # an array it reads
+
 def step(w, batch):
     def loss_fn(w):
-        return jnp.mean((jnp.tanh(batch["x"] @ w) - batch["y"]) ** 2)
+        return jnp.mean((jnp.tanh(batch["x"] @ w) - batch["y"] + BIAS) ** 2)
     loss, g = jax.value_and_grad(loss_fn)(w)
-    return w - SCALE * g, loss
+    return w - SCALE * CFG.mult * g, loss
 
 rows = int(os.environ.get("ROWS", "16"))
 opts = rt.RunOptions(cache_dir=sys.argv[1]) if sys.argv[1] != "-" else rt.RunOptions()
@@ -132,15 +141,37 @@ def test_explain_names_the_entries_that_differed(tmp_path):
     assert "fn.code" in changed["explain"] and "signature" not in changed["explain"]
     r = subprocess.run([sys.executable, "-m", "tools.cache", "explain", str(cache)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "fn.code" in r.stdout and "1 entry differ" in r.stdout, r.stdout
+    # the constant is in the code key and, traced, in the program
+    assert r.returncode == 0 and "fn.code:" in r.stdout and "program: the traced step" \
+        in r.stdout and "2 entries differ" in r.stdout, r.stdout
     reshaped, _ = _run(tmp_path, cache, SCALE="0.2", ROWS="32")
     assert "signature" in reshaped["explain"] and "fn.code" not in reshaped["explain"]
     info = json.loads((cache / "rt" / "last_miss.json").read_text())
-    assert [d["entry"] for d in info["differing"]] == ["signature"]
+    assert [d["entry"] for d in info["differing"]] == ["signature", "program"]
     assert "float32[8, 4]" in info["differing"][0]["after"]
     r = subprocess.run([sys.executable, "-m", "tools.cache", "list", str(cache)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and len(r.stdout.strip().splitlines()) == 3
+
+
+def test_values_the_step_closes_over_are_part_of_the_key(tmp_path):
+    """An object the step reads (here a config whose multiplier scales the update, as an
+    optimizer object holds its learning rate) and an array it reads enter the code key by
+    type only. Before, a run after either changed loaded the record of the old values and
+    silently trained with them. The traced program ends the key: a change misses and
+    names ``program``; the numbers equal an uncached run's with the new values."""
+    cache = tmp_path / "cache"
+    first, _ = _run(tmp_path, cache)
+    scaled, _ = _run(tmp_path, cache, MULT="0.5")
+    fresh, _ = _run(tmp_path, "-", MULT="0.5")
+    assert scaled["compiles"] == 1 and scaled["info"][3] == 0, scaled
+    assert scaled["w"] == fresh["w"] and scaled["w"] != first["w"]
+    assert "program: the traced step differs" in scaled["explain"], scaled["explain"]
+    assert "fn.code" not in scaled["explain"]  # (the code key could not see it)
+    biased, _ = _run(tmp_path, cache, MULT="0.5", BIAS="1.0")
+    assert biased["compiles"] == 1 and biased["loss"] != scaled["loss"], biased
+    again, _ = _run(tmp_path, cache, MULT="0.5")  # the record of those values: a hit
+    assert again["compiles"] == 0 and again["w"] == fresh["w"], again
 
 
 def test_cache_dir_from_environment(tmp_path):
@@ -161,7 +192,8 @@ def test_key_entries_are_documented():
     from runtime import persistent
     doc = persistent.__doc__
     for name in ("format", "fn.module", "fn.qualname", "fn.code", "fn.source", "signature",
-                 "jax", "jaxlib", "backend", "jax_config", "mesh", "pipeline", "options"):
+                 "jax", "jaxlib", "backend", "jax_config", "mesh", "pipeline", "options",
+                 "program"):
         assert f"``{name}``" in doc, name
 
 
