@@ -149,6 +149,33 @@ def test_scan_over_padded_axis_is_a_clear_error():
         step(rt.PerReplica([np.ones((5, 2), np.float32)] * 2))
 
 
+@pytest.mark.parametrize("name,f", [
+    ("reduce_scatter", lambda x: rt.psum_scatter(x, 1)),
+    ("reduce_scatter", lambda x: jax.lax.psum_scatter(x, "replica", scatter_dimension=1,
+                                                      tiled=True)),
+    ("all_gather", lambda x: rt.all_gather(x, axis=1)),
+    ("all_to_all", lambda x: rt.all_to_all(x, 1, 1)),
+    ("ppermute", lambda x: rt.ppermute(x, [(0, 1), (1, 0)])),
+    ("all_reduce", lambda x: rt.all_reduce(x, "max")),
+], ids=["psum_scatter", "lax.psum_scatter", "all_gather", "all_to_all", "ppermute", "pmax"])
+def test_collectives_over_a_padded_axis_are_a_clear_error(name, f):
+    """Replicas hold different real sizes in one bucket: a collective over a value with a
+    padded axis would combine one replica's real rows with another's padding. Before, a
+    reduce-scatter over the static dim of a [b, 4] batch ran and summed replica 0's third
+    row with replica 1's padding (sizes 3 and 2); every collective is now the
+    ``PaddingError`` naming the op and the line. Reduced over the padded axis first, the
+    same collective is exact (the oracle: the replicas' own sums, by hand)."""
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    xs = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones((2, 4), np.float32)]
+    with pytest.raises(ValueError, match=rf"padding: {name} over a value with a padded "
+                                         rf"\(dynamic\) dim \['b'\] .*test_dynamic.py:\d+"):
+        step(rt.PerReplica(xs))
+    exact = rt.replicate(lambda x: rt.psum_scatter(x.sum(0), 0), num_replicas=2,
+                         options=rt.RunOptions(dynamic_shapes=True))(rt.PerReplica(xs))
+    total = xs[0].sum(0) + xs[1].sum(0)
+    np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in exact.values]), total)
+
+
 def test_flip_is_a_clear_error():
     step = rt.replicate(lambda x: jnp.flip(x, 0), num_replicas=2,
                         options=rt.RunOptions(dynamic_shapes=True))

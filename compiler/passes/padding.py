@@ -68,6 +68,7 @@ from compiler.passes.hoist_collectives import is_zero
 from ir import _jax_compat as jc
 from ir.graph import Graph, Op, Opaque, Value
 from ir.jaxpr_import import import_jaxpr
+from ir.ops import COLLECTIVES
 from ir.types import Replica, SymDim, TensorType
 
 
@@ -93,9 +94,10 @@ _CUM_DERIVATIVES = frozenset({"cumulative_jvp", "cumulative_vjp"})
 #: of a padded batch), an error otherwise
 WINDOWS = frozenset({"reduce_window", "reduce_window_sum", "reduce_window_max",
                      "reduce_window_min", "select_and_scatter_add", "select_and_gather_add"})
-#: ops that are never exact when an operand is padded
-DENY = frozenset({"all_gather", "all_to_all", "all_reduce", "fft",
-                  "reduce", "reduce_precision_window", "psum_scatter", "ppermute"})
+#: ops that are never exact when an operand is padded: every collective (replicas hold
+#: different real sizes in one bucket, so a reduce-scatter summed real rows of one replica
+#: with padding of another) but the gradient all-reduce the pass defers to static dims
+DENY = frozenset({"fft", "reduce", "reduce_precision_window"}) | COLLECTIVES
 #: ops that call their one region with their operands and are kept as ops (not inlined)
 _REGION_CALLS = frozenset({"remat2", "checkpoint", "remat", "custom_lin"})
 #: the scatter family: a combiner region (scalar, not a loop) and ``ScatterDimensionNumbers``
