@@ -560,9 +560,11 @@ def scan_steps(fn: Callable, args: tuple, mask: tuple, k: int, step_outputs: str
     xs = [x for x, m in zip(rest_leaves, is_xs) if m]
 
     def body(carry, xs_t):
+        from runtime.sync_on_read import check_returned_views
         it = iter(xs_t)
         r = [next(it) if m else x for x, m in zip(rest_leaves, is_xs)]
         out = fn(state_td.unflatten(carry), *rest_td.unflatten(r))
+        check_returned_views(out, getattr(fn, "__name__", "step"))
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError(f"replicate(steps_per_call={k}): the step must return "
                             f"(state, outputs), got {type(out).__name__}")

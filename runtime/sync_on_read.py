@@ -42,7 +42,7 @@ class SyncOnRead:
     ``assign(tree)`` (TF's cross-replica assign: ``read()`` gives ``tree``). Inside a
     step: ``value`` (this replica's tree), ``assign(tree)``, ``update(fn)``."""
 
-    __slots__ = ("aggregation", "_values", "_local", "_n")
+    __slots__ = ("aggregation", "_values", "_local", "_n", "_superseded")
 
     def __init__(self, init: Any, aggregation: str = "sum", num_replicas: int | None = None):
         """``init``: a pytree every replica starts from (copied to each of
@@ -50,6 +50,7 @@ class SyncOnRead:
         aggregation = _check_aggregation(aggregation)
         self.aggregation = aggregation
         self._local = None
+        self._superseded = None
         if isinstance(init, PerReplica):
             self._values = init
             self._n = len(init.values)
@@ -128,6 +129,8 @@ class SyncOnRead:
         if jax.tree.structure(tree) != old:
             raise ValueError(f"SyncOnRead.assign: the new value has structure "
                              f"{jax.tree.structure(tree)} but the accumulator has {old}")
+        from runtime.validate import user_line
+        self._superseded = user_line(__file__)  # (returning this view would drop the update)
         return _local_view(self.aggregation, self._n, tree)
 
     def update(self, fn: Callable[[Any], Any]) -> SyncOnRead:
@@ -158,7 +161,26 @@ def _local_view(aggregation: str, n: int, tree: Any) -> SyncOnRead:
     obj._n = n
     obj._values = None
     obj._local = tree
+    obj._superseded = None
     return obj
+
+
+def check_returned_views(out: Any, fn_name: str) -> None:
+    """Raise ``TypeError`` when a step returns an accumulator's local view after calling
+    its ``assign``/``update``, which return the updated view and leave this one as it
+    was: TF's ``assign`` and a Keras metric's ``update_state`` change the variable in
+    place, so a port that calls ``acc.update(fn)`` and returns ``acc`` would silently
+    keep the old values (a metric that stays zero). Called while the step is traced."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        out, is_leaf=lambda x: isinstance(x, SyncOnRead))[0]
+    for path, x in flat:
+        if isinstance(x, SyncOnRead) and x._local is not None and x._superseded:
+            at = f"result{jax.tree_util.keystr(path)}" if path else "its result"
+            raise TypeError(
+                f"the step {fn_name} returns as {at} a SyncOnRead accumulator whose "
+                f"assign/update was called ({x._superseded}): assign and update return the "
+                f"updated accumulator and leave this one unchanged, so the update would be "
+                f"lost; return what they return (acc = acc.update(fn); return ..., acc)")
 
 
 def _flatten(s: SyncOnRead):

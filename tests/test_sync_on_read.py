@@ -124,3 +124,48 @@ def test_assign_outside_a_step_reads_back_the_value(aggregation):
         assert float(after["total"]) == 10.0 + x.sum() and int(after["count"]) == 7 + n
     with pytest.raises(ValueError, match="structure"):
         acc.assign({"total": np.float32(1.0)})
+
+
+def _update_in_place(w, acc, batch):
+    """Keras's ``metric.update_state(...)`` ported as written: the update's result dropped
+    and the accumulator it was called on returned."""
+    x, y = batch
+    acc.update(lambda v: {"correct": v["correct"] + jnp.sum(jnp.argmax(x @ w, -1) == y),
+                          "total": v["total"] + y.shape[0]})
+    return acc
+
+
+@pytest.mark.parametrize("form", ["static", "dynamic", "steps_per_call"])
+def test_returning_an_accumulator_after_its_update_is_an_error(form):
+    """``assign``/``update`` return the updated accumulator and leave the one they were
+    called on unchanged. A step that returned the latter ran, and the metric silently
+    stayed at zero (TF's assign and Keras's ``update_state`` change the variable in place,
+    so a port reads naturally this way). Now a ``TypeError`` naming the update's line; the
+    step that returns the update counts every real row (with dynamic shapes, a
+    replica's real size, not its bucket's)."""
+    n = 2
+    w, x, y = _data(n_rows=12)
+    acc = rt.SyncOnRead({"correct": np.int32(0), "total": np.int32(0)}, "sum", num_replicas=n)
+    if form == "steps_per_call":
+        step = rt.replicate(lambda s, b: ((s[0], _update_in_place(s[0], s[1], b)), ()),
+                            num_replicas=n, steps_per_call=2)
+        call = lambda: step((w, acc), rt.distribute_steps([(x[:6], y[:6]), (x[6:], y[6:])], n))  # noqa: E731
+    else:
+        opts = rt.RunOptions(dynamic_shapes=form == "dynamic")
+        step = rt.replicate(_update_in_place, num_replicas=n, options=opts)
+        batch = rt.PerReplica([(x[:7], y[:7]), (x[7:], y[7:])]) if form == "dynamic" \
+            else rt.distribute((x, y), n)
+        call = lambda: step(w, acc, batch)  # noqa: E731
+    with pytest.raises(TypeError, match=r"SyncOnRead accumulator whose assign/update was "
+                                        r"called \(test_sync_on_read\.py:\d+\).*acc = "
+                                        r"acc\.update\(fn\)"):
+        call()
+    if form == "dynamic":  # returned as the error says: every real row counted
+        def fixed(w, acc, batch):
+            x, y = batch
+            return acc.update(lambda v: {
+                "correct": v["correct"] + jnp.sum(jnp.argmax(x @ w, -1) == y),
+                "total": v["total"] + y.shape[0]})
+        got = rt.replicate(fixed, num_replicas=n, options=opts)(w, acc, batch).read()
+        assert int(got["total"]) == 12
+        assert int(got["correct"]) == int(np.sum(np.argmax(x @ w, -1) == y))
