@@ -547,8 +547,10 @@ class DynamicPath:
                      for lay in in_layout]
             from runtime.validate import (call_checking_arguments, check_results,
                                           keep_container_types)
+            from runtime.sync_on_read import check_returned_views
             out = call_checking_arguments(fn, jax.tree.unflatten(treedef, slots),
                                           getattr(rep, "__name__", "step"))
+            check_returned_views(out, getattr(rep, "__name__", "step"))  # (before a rebuild)
             out = keep_container_types(out)
             check_results(out, getattr(rep, "__name__", "step"))
             out_leaves, out_td = jax.tree.flatten(out)

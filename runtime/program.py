@@ -447,8 +447,10 @@ def _trace_step(rep: Any, leaves: list, treedef: Any, key: tuple) -> TracedStep:
         it = iter(flat)
         slots = [next(it) if lay is None else [next(it) for _ in lay[1]] for lay in in_layout]
         if k_steps == 1:
+            from runtime.sync_on_read import check_returned_views
             from runtime.validate import call_checking_arguments
             out = call_checking_arguments(fn, build_args(slots), getattr(rep, "__name__", "step"))
+            check_returned_views(out, getattr(rep, "__name__", "step"))  # (before a rebuild)
         else:
             mask = [False if lay is None else [True] * len(lay[1]) for lay in in_layout]
             out = scan_steps(fn, build_args(slots), build_args(mask), k_steps,

@@ -170,7 +170,8 @@ def check_returned_views(out: Any, fn_name: str) -> None:
     its ``assign``/``update``, which return the updated view and leave this one as it
     was: TF's ``assign`` and a Keras metric's ``update_state`` change the variable in
     place, so a port that calls ``acc.update(fn)`` and returns ``acc`` would silently
-    keep the old values (a metric that stays zero). Called while the step is traced."""
+    keep the old values (a metric that stays zero). Called while the step is traced, on
+    its results as it made them (a pytree rebuild makes fresh views, without the mark)."""
     flat = jax.tree_util.tree_flatten_with_path(
         out, is_leaf=lambda x: isinstance(x, SyncOnRead))[0]
     for path, x in flat:

@@ -264,13 +264,9 @@ def check_results(out: Any, fn_name: str) -> None:
 
 
 def call_checking_arguments(fn: Any, args: tuple, fn_name: str) -> Any:
-    """``fn(*args)`` while a step is traced, then :func:`check_arguments_unchanged` and
-    ``sync_on_read.check_returned_views`` (an accumulator returned with its update
-    dropped), on the results as the step made them."""
-    from runtime.sync_on_read import check_returned_views
+    """``fn(*args)`` while a step is traced, then :func:`check_arguments_unchanged`."""
     snapshot = argument_snapshot(args)
     out = fn(*args)
-    check_returned_views(out, fn_name)
     check_arguments_unchanged(args, snapshot, out, fn_name)
     return out
 
