@@ -205,7 +205,13 @@ def check_arguments(args: tuple, is_per_replica_leaf: Callable[[Any], bool] = No
 
 def _function_hint(leaf: Any) -> str:
     """For a function among a step's argument leaves (an equinox Module's activation,
-    which ``eqx.filter_jit`` treats as static): how to pass it."""
+    which ``eqx.filter_jit`` treats as static), or a string or other hashable setting (a
+    mode flag): how to pass it."""
+    import enum
+    if isinstance(leaf, (str, bytes, enum.Enum)):
+        return ("; a setting that selects code (a mode, a name) is static: pass it with "
+                "replicate(..., static_argnums=...) or static_argnames=... (each value "
+                "compiles its own program)")
     if not callable(leaf):
         return ""
     return ("; a function is not data: split the arrays off and close over the rest "

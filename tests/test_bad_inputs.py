@@ -140,6 +140,9 @@ case("opts-dynamic_dims-list", ValueError, r"dynamic_dims=\.\.\.\) must be a dic
 # -- arguments and results of a step ---------------------------------------------------------
 case("arg-string", TypeError, r"step argument args\[1\] is the string 'hello'; step arguments must be arrays")(
     lambda: _step(lambda a, b: a)(X, "hello"))
+case("arg-string-kwarg-hints-static", TypeError, r"step argument args\[1\]\['mode'\] is the string "
+     r"'eval'; .*a setting that selects code .* static_argnums=\.\.\.\) or static_argnames")(
+    lambda: _step(lambda a, mode="train": a)(X, mode="eval"))
 case("arg-dict-string-leaf", TypeError, r"step argument args\[1\]\['x'\] is the string 's'")(
     lambda: _step(lambda a, b: a)(X, {"x": "s"}))
 case("arg-object", TypeError, r"step argument args\[0\] is an instance of builtins.object|step argument args\[0\] is an object")(
