@@ -249,3 +249,36 @@ def test_jax_context_is_part_of_the_persistent_key():
                        timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == plain
+
+
+def test_program_fingerprint_is_stable_and_sees_what_the_step_closes_over():
+    """The ``program`` key entry (``persistent.program_fingerprint`` of ``trace_step``):
+    two fresh traces of one step, with fresh function and optimizer objects (whose
+    addresses differ, as they do between processes), agree; a changed closed-over array
+    or learning rate inside the optimizer object changes it. (In this process only: no
+    cache directory is set.)"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import runtime as rt
+    from runtime.persistent import program_fingerprint
+    from runtime.program import trace_step
+
+    def fingerprint(lr, bias):
+        tx, b = optax.adam(lr), np.full((2,), bias, np.float32)
+
+        def step(p, opt, x):
+            g = jax.grad(lambda p: jnp.mean(jax.nn.gelu(x @ p + b) ** 2))(p)
+            u, opt = tx.update(g, opt, p)
+            return optax.apply_updates(p, u), opt
+        rep = rt.replicate(step, num_replicas=2)
+        p = np.ones((3, 2), np.float32)
+        leaves, treedef, key = rep._key_of((p, tx.init(p), rt.distribute(np.ones((4, 3), np.float32), 2)))
+        return program_fingerprint(trace_step(rep, leaves, treedef, key).graph)
+
+    base = fingerprint(1e-3, 0.5)
+    assert fingerprint(1e-3, 0.5) == base
+    assert fingerprint(1e-4, 0.5) != base
+    assert fingerprint(1e-3, 0.25) != base
