@@ -355,6 +355,31 @@ def test_divergent_collective_names_both_lines(fn, coll, ctl):
     assert f"{HERE}:{_line(fn, coll)}" in str(e.value) and f"{HERE}:{_line(fn, ctl)}" in str(e.value)
 
 
+def test_gradient_taken_inside_a_per_replica_branch_says_how_to_take_it():
+    """``jax.grad`` of a mirrored weight inside a ``lax.cond`` whose predicate differs
+    between replicas: the gradient's all-reduce (JAX's transpose of the weight's
+    broadcast) would run in one branch only. The error names the cond and says to take
+    the gradient outside it or of ``rt.local(weights)``; the latter gives each replica's
+    own gradient (oracle: ``jax.grad`` on each replica's data)."""
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x * w) ** 2)
+
+    def branchy(view):
+        return lambda w, x, i: jax.lax.cond(i > 0, lambda: jax.grad(loss)(view(w), x),
+                                            lambda: -jax.grad(loss)(view(w), x))
+    w = np.linspace(-1, 1, 3).astype(np.float32)
+    xs = [np.full((3,), 0.5, np.float32), np.full((3,), 2.0, np.float32)]
+    args = (w, rt.PerReplica(xs), rt.PerReplica([np.int32(0), np.int32(1)]))
+    with pytest.raises(DivergentCollectiveError, match=r"inside a lax.cond/switch whose index "
+                       r"differs between replicas \(cond \(test_bad_inputs.py:\d+\)\).*gradient "
+                       r"of a mirrored value .* take the gradient outside it .*rt\.local"):
+        rt.replicate(branchy(lambda w: w), num_replicas=2)(*args)
+    got = rt.replicate(branchy(rt.local), num_replicas=2)(*args)
+    for r, (x, sign) in enumerate(zip(xs, (-1, 1))):
+        np.testing.assert_allclose(np.asarray(got.values[r]), sign * jax.grad(loss)(w, x),
+                                   rtol=1e-6)
+
+
 # -- dynamic shapes --------------------------------------------------------------------------
 def _dyn(fn=lambda a: a, **opts):
     return rt.replicate(fn, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True, **opts))

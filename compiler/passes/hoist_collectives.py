@@ -146,6 +146,14 @@ def check_no_divergent_collectives(graph: Graph) -> None:
         else:
             kind, fix = ("while loop whose predicate", "move it out of the loop, or give "
                          "every replica the same trip count (a mirrored bound)")
+        if coll.loc is not None and "transpose(" in coll.loc.name_stack:
+            # JAX's differentiation made it: the all-reduce of a mirrored value's gradient
+            where = "cond" if ctl.name == "cond" else "loop"
+            fix = (f"it is the all-reduce of the gradient of a mirrored value (a weight) "
+                   f"taken inside the {where}: take the gradient outside it (jax.grad of a "
+                   f"function that runs the {where}, whose result then needs no collective "
+                   f"inside), or differentiate with respect to rt.local(weights) if each "
+                   f"replica's own gradient is meant")
         raise DivergentCollectiveError(
             f"{coll.name}{_where(coll)} runs inside a {kind} differs between replicas "
             f"({ctl.name}{_where(ctl)}): replicas that do not run it would never join the "
