@@ -62,7 +62,7 @@ from ir.graph import Graph, Value
 from ir.types import Replica, SymDim, TensorType
 from runtime.divergence import check_diverging_state, watching_local_views
 from runtime.per_replica import LEAF_TREEDEF, PerReplica
-from runtime.program import Program, leaf_sig
+from runtime.program import Program, call_step, leaf_sig
 
 log = logging.getLogger("runtime")
 
@@ -545,12 +545,9 @@ class DynamicPath:
             it = iter(flat[k:])
             slots = [next(it) if lay is None else jax.tree.unflatten(lay[0], [next(it) for _ in lay[1]])
                      for lay in in_layout]
-            from runtime.validate import (call_checking_arguments, check_results,
-                                          keep_container_types)
-            from runtime.sync_on_read import check_returned_views
-            out = call_checking_arguments(fn, jax.tree.unflatten(treedef, slots),
-                                          getattr(rep, "__name__", "step"))
-            check_returned_views(out, getattr(rep, "__name__", "step"))  # (before a rebuild)
+            from runtime.validate import check_results, keep_container_types
+            out = call_step(fn, jax.tree.unflatten(treedef, slots),
+                            getattr(rep, "__name__", "step"))
             out = keep_container_types(out)
             check_results(out, getattr(rep, "__name__", "step"))
             out_leaves, out_td = jax.tree.flatten(out)

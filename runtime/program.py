@@ -447,10 +447,7 @@ def _trace_step(rep: Any, leaves: list, treedef: Any, key: tuple) -> TracedStep:
         it = iter(flat)
         slots = [next(it) if lay is None else [next(it) for _ in lay[1]] for lay in in_layout]
         if k_steps == 1:
-            from runtime.sync_on_read import check_returned_views
-            from runtime.validate import call_checking_arguments
-            out = call_checking_arguments(fn, build_args(slots), getattr(rep, "__name__", "step"))
-            check_returned_views(out, getattr(rep, "__name__", "step"))  # (before a rebuild)
+            out = call_step(fn, build_args(slots), getattr(rep, "__name__", "step"))
         else:
             mask = [False if lay is None else [True] * len(lay[1]) for lay in in_layout]
             out = scan_steps(fn, build_args(slots), build_args(mask), k_steps,
@@ -469,6 +466,19 @@ def _trace_step(rep: Any, leaves: list, treedef: Any, key: tuple) -> TracedStep:
                                            axis_name=rep.axis_name)
     return TracedStep(graph, specs, in_layout, out_info["treedef"], donated, t_import, split,
                       bool(local_views))
+
+
+def call_step(fn: Callable, args: tuple, fn_name: str) -> Any:
+    """``fn(*args)`` while a step is traced, for both call paths (this one and
+    ``runtime.dynamic``): an argument changed in place and not returned, or an
+    accumulator returned with its update dropped, is a ``TypeError``
+    (``validate.call_checking_arguments``, ``sync_on_read.check_returned_views``, on the
+    results as the step made them: a pytree rebuild makes fresh views, without the mark)."""
+    from runtime.sync_on_read import check_returned_views
+    from runtime.validate import call_checking_arguments
+    out = call_checking_arguments(fn, args, fn_name)
+    check_returned_views(out, fn_name)
+    return out
 
 
 def _build(rep: Any, treedef: Any, key: tuple, keep: bool, traced: TracedStep) -> Program:
