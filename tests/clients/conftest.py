@@ -11,17 +11,25 @@ out are reported as deselected, never skipped in silence.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from tests.clients._harness import REPLICAS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.lru_cache(maxsize=1)
+def _port_files() -> tuple[str, ...]:
+    """The test files of this folder, sorted (listed once per session)."""
+    return tuple(sorted(f for f in os.listdir(HERE) if f.startswith("test_") and f.endswith(".py")))
 
 
 def _default_count(module_file: str) -> int:
     """The replica count a port's file runs at without ``--long``: the ports' files in
     sorted order take 2, 8, 2, 8, ... (whatever is collected, so one file run alone runs
     as it does in the suite)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    files = sorted(f for f in os.listdir(here) if f.startswith("test_") and f.endswith(".py"))
+    files = _port_files()
     return REPLICAS[files.index(module_file) % len(REPLICAS)] if module_file in files else 0
 
 
@@ -42,9 +50,8 @@ def _siblings(item) -> tuple:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--long"):
         return
-    here = os.path.dirname(os.path.abspath(__file__))
     counted = {id(it): (n, _default_count(os.path.basename(str(it.path))))
-               for it in items if os.path.dirname(str(it.path)) == here
+               for it in items if os.path.dirname(str(it.path)) == HERE
                and (n := _replica_count(it)) is not None}
     # a test is left out only where the same test runs at the file's default count
     # (a test parametrized at 8 replicas alone runs whatever its file's default)

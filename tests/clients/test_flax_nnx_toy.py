@@ -264,16 +264,10 @@ def train_step_replicated_layouts(model: MLP, optimizer: nnx.Optimizer, x, y):
     return _update(model, optimizer, x, y)
 
 
-@pytest.mark.parametrize("batch", [BATCH_04, 8 * N])
-@pytest.mark.parametrize("layout", ["device_put", "with_sharding_constraint"])
-def test_04_data_layout_in_the_step_is_an_error_naming_its_line(layout, batch):
-    """``P('data')`` inside the step splits the replica's own rows over every device:
-    an ``rt.ShardingConstraintError`` naming the line, whether or not the replica's rows
-    divide by the mesh (the example's batch of 16: 2 rows per replica)."""
-    fn, code = {"device_put": (train_step_device_put, "jax.device_put((x, y), data_sharding)"),
-                "with_sharding_constraint": (train_step_constraint,
-                                             "jax.lax.with_sharding_constraint((x, y), data_")
-                }[layout]
+def _layout_error(fn, batch: int) -> str:
+    """The message of the ``rt.ShardingConstraintError`` that the example's step ``fn``
+    (written for ``jax.jit`` over the data mesh) raises when a replicated step calls it
+    on a batch of ``batch`` rows split over the replicas."""
     model, optimizer = create_04("sgd")
     graphdef, state = nnx.split((model, optimizer))
 
@@ -285,7 +279,20 @@ def test_04_data_layout_in_the_step_is_an_error_naming_its_line(layout, batch):
     with pytest.raises(rt.ShardingConstraintError) as e:
         rt.replicate(replica_step, num_replicas=N)(state, rt.distribute(x, N),
                                                    rt.distribute(y, N))
-    msg = str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("batch", [BATCH_04, 8 * N])
+@pytest.mark.parametrize("layout", ["device_put", "with_sharding_constraint"])
+def test_04_data_layout_in_the_step_is_an_error_naming_its_line(layout, batch):
+    """``P('data')`` inside the step splits the replica's own rows over every device:
+    an ``rt.ShardingConstraintError`` naming the line, whether or not the replica's rows
+    divide by the mesh (the example's batch of 16: 2 rows per replica)."""
+    fn, code = {"device_put": (train_step_device_put, "jax.device_put((x, y), data_sharding)"),
+                "with_sharding_constraint": (train_step_constraint,
+                                             "jax.lax.with_sharding_constraint((x, y), data_")
+                }[layout]
+    msg = _layout_error(fn, batch)
     assert code in source_line(msg), msg
     assert f"f32[{batch // N},1]" in msg and "P('data',)" in msg, msg
 
@@ -294,17 +301,7 @@ def test_04_data_layout_in_the_step_is_an_error_naming_its_line(layout, batch):
 def test_04_nnx_jit_in_shardings_splitting_the_batch_is_an_error(batch):
     """The same layout written as ``nnx.jit(in_shardings=...)`` (how NNX code places a
     jitted step's arguments): it splits the replica's rows as the constraint does."""
-    model, optimizer = create_04("sgd")
-    graphdef, state = nnx.split((model, optimizer))
-
-    def replica_step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        return nnx.state((model, optimizer)), train_step_in_shardings(model, optimizer, x, y)
-
-    x, y = next(dataset(1, batch, np.random.RandomState(0)))
-    with pytest.raises(rt.ShardingConstraintError):
-        rt.replicate(replica_step, num_replicas=N)(state, rt.distribute(x, N),
-                                                   rt.distribute(y, N))
+    _layout_error(train_step_in_shardings, batch)
 
 
 def test_04_replicated_layouts_in_the_step_are_accepted():

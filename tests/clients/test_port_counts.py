@@ -8,19 +8,16 @@ import subprocess
 import sys
 
 from tests.clients._harness import REPLICAS
-from tests.clients.conftest import _default_count
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from tests.clients.conftest import HERE, _default_count, _port_files
 
 
 def _ported_files() -> list[str]:
     """The port files that parametrize a test over ``REPLICAS``."""
     out = []
-    for f in sorted(os.listdir(HERE)):
-        if f.startswith("test_") and f.endswith(".py"):
-            with open(os.path.join(HERE, f)) as fh:
-                if '"n", REPLICAS' in fh.read():
-                    out.append(f)
+    for f in _port_files():
+        with open(os.path.join(HERE, f)) as fh:
+            if '"n", REPLICAS' in fh.read():
+                out.append(f)
     return out
 
 
