@@ -399,3 +399,26 @@ def test_splits_propagate_through_cond_and_scan_to_the_steps_boundary():
                                             r"0,1,2,3\} \(.*\) and the true branch as "
                                             r"\{devices=\[1,4\]0,1,2,3\}"):
         rt.replicate(disagree, num_replicas=n, logical_devices=k)(w, rt.distribute(x, n))
+
+
+def test_a_split_inside_a_per_replica_branch_keeps_the_gradient_hoistable():
+    """A weight split (an identity annotation) inside both branches of a ``lax.cond`` whose
+    predicate differs between replicas, then ``jax.grad``: the gradient's all-reduce is
+    taken out of the branch as without the annotation, and the gradient equals the mean of
+    the replicas' own gradients (before: a ``DivergentCollectiveError`` saying the ``shard``
+    op used the collective's result "in a way that is not linear")."""
+    split = rt.split_to_logical_devices
+    w = np.linspace(-0.5, 0.5, 8, dtype=np.float32).reshape(4, 2)
+    xs = [np.full((2, 4), 1.0, np.float32), np.full((2, 4), -1.0, np.float32)]
+
+    def step(w, x):
+        def loss(w):
+            return jax.lax.cond(jnp.sum(x) > 0,
+                                lambda: jnp.sum(jnp.tanh(x @ split(w, [1, 2]))),
+                                lambda: jnp.sum(jnp.cos(x @ split(w, [1, 2]))))
+        return jax.grad(loss)(w)
+
+    got = rt.replicate(step, num_replicas=2, logical_devices=2)(w, rt.PerReplica(xs))
+    want = (jax.grad(lambda w: jnp.sum(jnp.tanh(xs[0] @ w)))(w)
+            + jax.grad(lambda w: jnp.sum(jnp.cos(xs[1] @ w)))(w)) / 2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)

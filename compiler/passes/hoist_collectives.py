@@ -59,7 +59,7 @@ LINEAR = frozenset({"add_any", "add", "sub", "neg", "reshape", "transpose", "squ
                     "expand_dims", "broadcast_in_dim", "reduce_sum", "convert_element_type",
                     "slice", "copy", "copy_p", "rev", "cumsum", "loss_scale", "concatenate",
                     "pad", "select_n", "dynamic_slice", "gather", "real", "imag", "conj",
-                    "unstack", "split", "reduce_precision"})
+                    "unstack", "split", "reduce_precision", "shard"})
 _ONE_SIDED = frozenset({"mul", "dot_general", "div"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
 #: rematerialization (``jax.checkpoint``): a region of one graph, its inputs the operands,
