@@ -405,14 +405,20 @@ def _check_padded(monkeypatch, f, shapes, seed, bound=None, padding="nan", rtol=
     """``f`` through a dynamic ``replicate`` (one replica per shape in ``shapes``, axis 0
     bounded by ``bound``, the buckets padded with NaN or, as the runtime pads them, zeros)
     equals ``jax.jit(f)`` on each replica's exact input."""
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    _check_values(monkeypatch, f, xs, bound, padding, rtol, atol, dynamic_dims)
+
+
+def _check_values(monkeypatch, f, xs, bound=None, padding="nan", rtol=1e-6, atol=0.0,
+                  dynamic_dims=None):
+    """:func:`_check_padded` on the given inputs, one per replica (NaN compares equal)."""
     import runtime.dynamic as dyn
     if padding == "nan":
         monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
-    step = rt.replicate(f, num_replicas=len(shapes), options=rt.RunOptions(
+    step = rt.replicate(f, num_replicas=len(xs), options=rt.RunOptions(
         dynamic_shapes=True, dynamic_dims=dynamic_dims,
         maximum_shapes=None if bound is None else [(bound, None if dynamic_dims is None else bound)]))
-    rng = np.random.default_rng(seed)
-    xs = [rng.normal(size=s).astype(np.float32) for s in shapes]
     out = step(rt.PerReplica(xs))
     vals = out.values if isinstance(out, rt.PerReplica) else [out] * len(xs)
     for v, x in zip(vals, xs):
@@ -1059,3 +1065,93 @@ def test_typed_keys_with_a_dynamic_axis_are_an_error_saying_what_to_pass():
     want = [float(jax.jit(per_example)(w, xp, kp)) for xp, kp in
             zip(np.array_split(x, n), [keys[:3], keys[3:]])]
     np.testing.assert_allclose([float(v) for v in got.values], want, rtol=1e-6)
+
+
+SORT_FUNCS = {
+    "sort": jnp.sort,
+    "argsort": jnp.argsort,
+    "median": jnp.median,
+    "nanmedian": jnp.nanmedian,
+    "nanquantile_lower": lambda x: jnp.nanquantile(x, 0.5, method="lower"),
+    # a first key equal to the padding's old fill (True), the second breaking the tie
+    "lexsort_bool_key": lambda x: jnp.lexsort((jnp.nan_to_num(x), jnp.isnan(x) | (x > 2))),
+    "lexsort_int_max_key": lambda x: jnp.lexsort((jnp.nan_to_num(x), jnp.where(
+        x > 2, jnp.iinfo(jnp.int32).max, 0).astype(jnp.int32))),
+}
+
+
+@pytest.mark.parametrize("padding", ["zeros", "nan"])
+@pytest.mark.parametrize("name", sorted(SORT_FUNCS))
+def test_sorts_put_every_real_element_before_the_padding(monkeypatch, name, padding):
+    """A sort along a padded axis sorts the real elements first whatever they hold. Before,
+    the padding was filled with +inf: a real NaN sorts after it and was cut off (``sort``
+    gave ``inf``, ``argsort`` an index into the padding, ``nanmedian`` a wrong median),
+    and a multi-key sort whose first key equalled the fill put padding rows first."""
+    xs = [np.array([3.0, np.nan, 1.0, 2.0, 5.0], np.float32),
+          np.array([np.nan, 4.0, 2.0], np.float32), np.array([7.0, 1.5], np.float32)]
+    _check_values(monkeypatch, SORT_FUNCS[name], xs, padding=padding)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8])
+def test_bitwise_and_over_a_padded_axis_fills_every_bit(monkeypatch, dtype):
+    """The padding of a bitwise and-reduction is all ones (before: 1, the identity of a
+    logical and only, so ``[7, 6, 14]`` reduced to 0 instead of 6)."""
+    xs = [np.array([7, 6, 14], dtype), np.array([255, 15, 13, 5, 127], dtype)]
+    _check_values(monkeypatch, jnp.bitwise_and.reduce, xs, padding="zeros")
+    _check_values(monkeypatch, lambda x: jnp.all(x > 4), xs, padding="zeros")
+
+
+def _kernel(x):
+    """An RBF kernel matrix over the padded axis (its padding rows are not zero)."""
+    v = jnp.sin(3 * x[:, 0])
+    return jnp.exp(-(v[:, None] - v[None, :]) ** 2) + jnp.eye(x.shape[0])
+
+
+def _pivoting(x):
+    """A matrix whose padding rows (x = 0) would win partial pivoting over the real ones."""
+    return (jnp.exp(-x[:, 0])[:, None] * jnp.cos(x[None, :, 1])
+            + 0.01 * jnp.eye(x.shape[0]) * x[:, 2][None, :])
+
+
+LINALG_FUNCS = {
+    "cholesky": lambda x: jnp.linalg.cholesky(_kernel(x)),
+    "cho_solve": lambda x: jax.scipy.linalg.cho_solve(
+        jax.scipy.linalg.cho_factor(_kernel(x), lower=True), jnp.sin(x[:, 0])),
+    "lu": lambda x: jax.scipy.linalg.lu_factor(_pivoting(x))[0],
+    "lu_pivots": lambda x: jax.scipy.linalg.lu_factor(_pivoting(x))[1],
+    "det": lambda x: jnp.linalg.det(_pivoting(x)),
+    "slogdet": lambda x: jnp.linalg.slogdet(_pivoting(x))[1],
+    "solve_upper": lambda x: jax.scipy.linalg.solve_triangular(
+        jnp.triu(_kernel(x)), jnp.ones_like(_kernel(x)), lower=False),
+    "solve_lower_transposed": lambda x: jax.scipy.linalg.solve_triangular(
+        jnp.tril(_kernel(x)), jnp.ones_like(_kernel(x)), lower=True, trans=1),
+    "eigh_of_padded_batch": lambda x: jnp.linalg.eigvalsh(
+        jnp.einsum("bi,bj->bij", x, x) + jnp.eye(3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINALG_FUNCS))
+def test_factorizations_and_solves_over_a_padded_matrix_equal_jit(monkeypatch, name):
+    """A matrix padded on both axes is the identity outside its real block, so Cholesky,
+    LU (pivoting stays in the real rows), determinants and triangular solves in either
+    direction are the real block's, with NaN in the padding too (before: the padding
+    rows won the pivoting and an upper solve ran through them: wrong numbers)."""
+    rng = np.random.default_rng(0)
+    xs = [rng.uniform(5, 6, size=(n, 3)).astype(np.float32) for n in (5, 3)]
+    _check_values(monkeypatch, LINALG_FUNCS[name], xs, rtol=2e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,f", [
+    ("eigh", lambda x: jnp.linalg.eigvalsh(_kernel(x))),
+    ("qr", lambda x: jnp.linalg.qr(_kernel(x))[1]),
+])
+def test_spectral_ops_over_a_padded_matrix_are_a_clear_error(name, f):
+    """Eigenvalues and QR of a padded matrix would mix the padding's part into the real
+    results (before: wrong numbers); the error names the op, the axis and the line."""
+    from compiler.passes.padding import PaddingError
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    xs = [np.ones((n, 3), np.float32) for n in (5, 3)]
+    with pytest.raises(PaddingError, match=rf"{name} is not exact over a padded matrix axis: "
+                                           rf"axis 0 \(dim \w+\) of its operand f32\[\w+,\w+\] .*"
+                                           rf"\(test_dynamic\.py:\d+\)"):
+        step(rt.PerReplica(xs))

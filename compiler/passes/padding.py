@@ -80,7 +80,7 @@ class PaddingError(PassError, ValueError):
 REDUCE_RULES: dict[str, tuple[str, str]] = {
     "reduce_sum": ("axes", "0"), "reduce_prod": ("axes", "1"),
     "reduce_max": ("axes", "-inf"), "reduce_min": ("axes", "+inf"),
-    "reduce_and": ("axes", "1"), "reduce_or": ("axes", "0"), "reduce_xor": ("axes", "0"),
+    "reduce_and": ("axes", "ones"), "reduce_or": ("axes", "0"), "reduce_xor": ("axes", "0"),
     "argmax": ("axes", "-inf"), "argmin": ("axes", "+inf"),
     "cumsum": ("axis", "0"), "cumprod": ("axis", "1"), "cummax": ("axis", "-inf"),
     "cummin": ("axis", "+inf"), "cumlogsumexp": ("axis", "-inf"),
@@ -105,6 +105,14 @@ SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "s
                       "scatter-max"})
 #: ops that index into an axis of their first operand (``pad_index`` on padded ones)
 INDEX_RULES = frozenset({"gather", "dynamic_slice", "dynamic_update_slice"}) | SCATTERS
+#: linear algebra on the matrices of the last two axes. A padded matrix axis is exact only
+#: for the factorizations and solves whose leading block depends on the leading block
+#: alone once the padding is the identity (``_Padder.linalg``); the others (eigenvalues,
+#: QR, SVD, ...) mix the padding in (the identity's eigenvalues join the real ones)
+LINALG_BLOCK_EXACT = frozenset({"cholesky", "lu", "triangular_solve"})
+LINALG = LINALG_BLOCK_EXACT | frozenset({
+    "eigh", "eig", "svd", "qr", "geqrf", "geqp3", "householder_product", "schur",
+    "hessenberg", "tridiagonal", "tridiagonal_solve", "cholesky_update", "eigh_jacobi"})
 #: ops whose operands' axes move; checked only for dim expressions in the result (ops
 #: with a rule of their own in ``_Padder.masked`` are handled before this set is consulted)
 STRUCTURAL = frozenset({"broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
@@ -420,6 +428,9 @@ class _Padder:
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
                 f"{sorted(set(s for p in pads for s in p.values()))} cannot be made exact "
                 f"({_loc(op)})")
+        if any_pad and op.name == "sort" and op.attr("dimension") in pads[0]:
+            self.sort(op, pads[0][op.attr("dimension")], operands, attrs)
+            return
         if any_pad:
             operands = self.masked(op, pads, operands)
             if op.name in _CUM_DERIVATIVES and op.attr("reverse") and self.cumulative_sym(op, pads):
@@ -501,11 +512,8 @@ class _Padder:
                 if a in pads[0]:
                     operands[0] = self.mask(operands[0], a, pads[0][a], fill, op)
             return operands
-        if name == "sort":
-            a = op.attr("dimension")
-            if a in pads[0]:
-                operands[0] = self.mask(operands[0], a, pads[0][a], "+inf", op)
-            return operands
+        if name in LINALG:
+            return self.linalg(op, pads, operands)
         if name == "top_k":
             a = operands[0].type.rank - 1
             if a in pads[0]:
@@ -573,6 +581,58 @@ class _Padder:
                     raise PaddingError(
                         f"padding: {op.name} is not known to be exact over the padded axis "
                         f"{a} (dim {sym}) of its operand {v.type} ({_loc(op)})")
+        return operands
+
+    def sort(self, op: Op, sym: str, operands: list[Value], attrs: tuple) -> None:
+        """A sort along a padded axis: a first key added, true on the padding, puts every
+        real element before every padded one whatever the real keys hold (a NaN sorts
+        after +inf, and a multi-key sort's later keys would break a tie between a real
+        first key and its fill), then dropped from the results."""
+        a = op.attr("dimension")
+
+        def is_pad(v, n):
+            return lax.broadcasted_iota(np.int32, v.shape, a) >= n
+        key = self.splice(is_pad, (operands[0], self.sizes[sym]), "pad_key", op)
+        results = tuple(self.new(r) for r in op.results)
+        attrs = tuple((k, v + 1 if k == "num_keys" else v) for k, v in attrs)
+        self.ops.append(op.replace(operands=(key, *operands),
+                                   results=(Value(key.type), *results), attrs=attrs))
+
+    def linalg(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
+        """Linear algebra with a padded axis. Padded batch axes (before the last two) are
+        exact: each matrix is its own problem. A padded matrix must be padded on both of
+        its axes by one size, and is then set to the identity outside its real block, so
+        the matrix is ``blockdiag(A, I)``: a Cholesky or LU factor (partial pivoting never
+        picks a padded row: it holds 0 in the real columns), a triangular solve (its
+        right-hand side's padding set to 0, which the identity block keeps apart from the
+        real rows) and a determinant are those of ``A`` on the real block, whatever the
+        padding held.
+        Other ops (eigenvalues, QR, SVD, ...) would mix the identity's part into the
+        results: an error."""
+        x = op.operands[0]
+        r = x.type.rank
+        mat = {a: s for a, s in pads[0].items() if a >= r - 2}
+        if not mat:
+            return operands
+        syms = set(mat.values())
+        if op.name not in LINALG_BLOCK_EXACT or len(mat) != 2 or len(syms) != 1:
+            what = ("is not exact over a padded matrix axis" if op.name not in LINALG_BLOCK_EXACT
+                    else "needs a square matrix padded on both axes by one size")
+            raise PaddingError(
+                f"padding: {op.name} {what}: axis {min(mat)} (dim {mat[min(mat)]}) of its "
+                f"operand {x.type} is padded; keep that axis static "
+                f"(RunOptions(dynamic_dims=...)) ({_loc(op)})")
+
+        def identity_outside(v, n):
+            i = lax.broadcasted_iota(np.int32, v.shape, r - 2)
+            j = lax.broadcasted_iota(np.int32, v.shape, r - 1)
+            return jax.numpy.where((i < n) & (j < n), v, (i == j).astype(v.dtype))
+        sym = syms.pop()
+        operands[0] = self.splice(identity_outside, (operands[0], self.sizes[sym]),
+                                  "pad_identity", op)
+        if op.name == "triangular_solve":  # the right-hand side's padding 0 (not NaN: 0 * NaN)
+            b = op.operands[1].type.rank - (2 if op.attr("left_side") else 1)
+            operands[1] = self.mask(operands[1], b, sym, "0", op)
         return operands
 
     @staticmethod
@@ -960,6 +1020,8 @@ def _live(op: Op, key: str) -> Any:
 
 def _fill(kind: str, dtype: Any) -> Any:
     dtype = np.dtype(dtype)
+    if kind == "ones":  # every bit set: the identity of a bitwise and
+        return np.asarray(-1).astype(dtype) if dtype != np.bool_ else np.asarray(True)
     if kind.isdigit():  # "0", "1", or an index past the end (pad_mask of scatter indices)
         return np.asarray(int(kind), dtype)
     high = kind in ("+inf", "highest")
