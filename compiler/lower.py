@@ -85,7 +85,45 @@ def _widened(fn: Callable, args: list[Any], axes: Any) -> list[Any]:
 def _all_reduce(op: Op, args: list[Any]) -> list[Any]:
     if _single_replica():
         return list(args)
-    return _widened(_REDUCERS[op.attr("reduce")], args, op.attr("axes", (REPLICA_AXIS,)))
+    axes = op.attr("axes", (REPLICA_AXIS,))
+    outs = _widened(_REDUCERS[op.attr("reduce")], args, axes)
+    if op.attr("reduce") in ("max", "min"):
+        outs = _nan_kept(args, outs, lambda nan: lax.pmax(nan.astype(np.int32), axes) > 0)
+    return outs
+
+
+def _floating(x: Any) -> bool:
+    return jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+
+
+def _nan_kept(args: list[Any], outs: list[Any], any_nan: Callable[[Any], Any]) -> list[Any]:
+    """A max or min across devices, NaN where any of its inputs is NaN (``any_nan`` of
+    ``isnan(x)``: that or over the same elements), as NumPy's and one device's: XLA:CPU's
+    cross-device max and min keep the other operand when one is NaN, so a NaN of one
+    device (and everything else that device held) dropped out of the result, and on GPU
+    it depends on the collective library. Floating values only."""
+    return [jax.numpy.where(any_nan(jax.numpy.isnan(x)), jax.numpy.asarray(np.nan, o.dtype), o)
+            if _floating(x) else o for x, o in zip(args, outs)]
+
+
+def _model_axes() -> bool:
+    """Does the mesh have model axes (K > 1 logical devices)? XLA's partitioner may then
+    split any value over them, and a reduction over a split dim ends in a cross-device
+    all-reduce."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(a != REPLICA_AXIS and n > 1 for a, n in zip(mesh.axis_names, mesh.axis_sizes))
+
+
+@rule("reduce_max", "reduce_min")
+def _reduce_extremum(op: Op, args: list[Any]) -> list[Any]:
+    """``jnp.max``/``jnp.min``: over K > 1 logical devices, NaN kept (:func:`_nan_kept`:
+    a dim split over them is reduced across devices; ``[0, ..., nan, 7]`` split in two
+    gave 3.0, with plain ``jax.jit`` over the same devices too)."""
+    out = _bind(op, args)
+    if not _floating(args[0]) or not _model_axes():
+        return out
+    axes = tuple(op.attr("axes"))
+    return _nan_kept(args, out, lambda nan: lax.reduce_or(nan, axes))
 
 
 @rule("all_gather")

@@ -422,3 +422,22 @@ def test_a_split_inside_a_per_replica_branch_keeps_the_gradient_hoistable():
     want = (jax.grad(lambda w: jnp.sum(jnp.tanh(xs[0] @ w)))(w)
             + jax.grad(lambda w: jnp.sum(jnp.cos(xs[1] @ w)))(w)) / 2
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_max_and_min_over_a_split_dim_keep_nan(k):
+    """``jnp.max``/``jnp.min`` over a dim split across K logical devices equal one
+    device's, NaN included (before: the tile holding the NaN dropped out of XLA:CPU's
+    cross-device max, so ``[0, ..., 5, nan, 7]`` split in two gave 3.0, and plain
+    ``jax.jit`` over the same devices still does); ``argmax`` and NaN-free rows unchanged."""
+    split = rt.split_to_logical_devices
+    x = np.array([[0, 1, 2, 3, 4, 5, np.nan, 7], [3, -1, 8, 2, 0, 6, 1, 5]], np.float32)
+
+    def f(x):
+        return (jnp.max(x, axis=1), jnp.min(x, axis=1), jnp.max(x), jnp.argmax(x, axis=1),
+                jnp.nanmax(x, axis=1))
+    step = rt.replicate(lambda x: f(split(x, [1, k])), num_replicas=2, logical_devices=k)
+    got = step(rt.PerReplica([x, x[::-1]]))
+    for r, xr in enumerate([x, x[::-1]]):
+        for g, w in zip(got, jax.jit(f)(xr)):
+            np.testing.assert_array_equal(np.asarray(g.values[r]), np.asarray(w))

@@ -92,6 +92,27 @@ def test_all_reduce(op):
     np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_all_reduce_max_and_min_keep_a_replicas_nan(op, k):
+    """A NaN on one replica is NaN in the max and min over replicas, as NumPy's over the
+    stacked values (before: XLA:CPU's cross-device max kept the other operand, so replica
+    0's 1.0 beat replica 1's NaN, as ``jax.pmap``'s ``pmax`` on CPU still does); bf16 and
+    int values reduce as before."""
+    x = np.array([[1.0, 2.0, -3.0], [np.nan, 5.0, np.nan], [0.5, -1.0, 4.0], [2.0, 0.0, 1.0]],
+                 np.float32)
+    step = rt.replicate(lambda a, b, c: (rt.all_reduce(a, op), rt.all_reduce(b, op),
+                                         rt.all_reduce(c, op)),
+                        num_replicas=N, logical_devices=k)
+    got, got_bf16, got_int = step(rt.distribute(x, N), rt.distribute(x.astype(jnp.bfloat16), N),
+                                  rt.distribute(np.arange(12, dtype=np.int32).reshape(4, 3), N))
+    want = getattr(np, op)(x, axis=0, keepdims=True)  # (each replica holds one row)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(got_bf16, np.float32), want)
+    np.testing.assert_array_equal(got_int, getattr(np, op)(np.arange(12).reshape(4, 3), 0,
+                                                           keepdims=True))
+
+
 def test_all_reduce_bad_op():
     step = rt.replicate(lambda a: rt.all_reduce(a, "prod"), num_replicas=2)
     with pytest.raises(ValueError, match="prod"):
