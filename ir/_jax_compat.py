@@ -14,8 +14,8 @@ Supports jax 0.10.x and 0.11.x. The differences this module hides (see JAX's CHA
 from __future__ import annotations
 
 import contextlib
-import functools
 import contextvars
+import functools
 import os
 import sys
 from typing import Any, Iterator, Sequence
@@ -1508,13 +1508,66 @@ def install_custom_vjp_sum() -> None:
 
 def _varying_outputs(fwd: Any) -> Any:
     """A ``custom_vjp`` ``fwd`` rule whose (inexact) primal outputs are typed varying over
-    every manual mesh axis (values unchanged); its residuals as they are."""
+    every manual mesh axis (values unchanged); its residuals as they are. A
+    ``jax.custom_gradient`` function's (:func:`_custom_gradient_fun`) has its outputs
+    cast before its gradient function is traced on their types."""
+    fun_cell = _custom_gradient_fun(fwd)
+    if fun_cell is not None and not getattr(fun_cell.cell_contents, "_replicate_hlo", False):
+        fun_cell.cell_contents = _varying_answer(fun_cell.cell_contents)
+
     @functools.wraps(fwd)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        out, *residuals = fwd(*args, **kwargs)
+        token = _IN_GRADIENT_FWD.set(True)
+        try:
+            out, *residuals = fwd(*args, **kwargs)
+        finally:
+            _IN_GRADIENT_FWD.reset(token)
         axes = _mesh_axis_names()
         out = jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, out)
         return (out, *residuals)
+    return wrapped
+
+
+# ``jax.custom_gradient(fun)`` is a ``custom_vjp`` whose ``fwd`` (a closure over ``fun``)
+# calls ``fun``, traces the gradient function it returns on the types of the answer (the
+# cotangents' types) and whose ``bwd`` evaluates that jaxpr on the cotangents. Cast to
+# varying only after ``fwd`` (as for a ``custom_vjp``), the answer of a mirrored input
+# was traced invariant: per-replica cotangents then ran through a jaxpr typed for one
+# value, a nested ``jit`` (``jnp.clip``) typed its result invariant, and the sum of the
+# mirrored input's cotangent over the replicas was skipped (each replica kept its own
+# gradient), or ``3.0 * g`` failed to type. So ``fun`` (in the closures' shared cell,
+# also the primal function's: called outside ``fwd`` it keeps JAX's types) is wrapped
+# once to return its answer varying while ``fwd`` runs.
+_IN_GRADIENT_FWD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "in_gradient_fwd", default=False)
+
+
+def _custom_gradient_fun(fwd: Any) -> Any:
+    """The cell holding ``fun`` of a ``jax.custom_gradient`` ``fwd`` rule, or ``None``."""
+    code = getattr(fwd, "__code__", None)
+    if code is None or not getattr(fwd, "__qualname__", "").startswith("custom_gradient.") \
+            or "fun" not in code.co_freevars or fwd.__closure__ is None:
+        return None
+    return fwd.__closure__[code.co_freevars.index("fun")]
+
+
+def _varying_answer(fun: Any) -> Any:
+    """``fun`` (a ``custom_gradient`` function: ``x -> (answer, gradient function)``)
+    returning its inexact answer varying over the mesh axes while a ``fwd`` rule runs it
+    (:data:`_IN_GRADIENT_FWD`, reset for the calls inside ``fun``)."""
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        in_fwd = _IN_GRADIENT_FWD.get()
+        token = _IN_GRADIENT_FWD.set(False)
+        try:
+            ans, rule = fun(*args, **kwargs)
+        finally:
+            _IN_GRADIENT_FWD.reset(token)
+        if in_fwd:
+            axes = _mesh_axis_names()
+            ans = jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, ans)
+        return ans, rule
+    wrapped._replicate_hlo = True
     return wrapped
 
 

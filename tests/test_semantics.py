@@ -353,3 +353,40 @@ def test_a_cond_reached_through_jaxs_own_function_keeps_jaxs_error():
     with pytest.raises(TypeError, match="cond branches must have equal output types"):
         rt.replicate(step, num_replicas=2)(np.ones(3, np.float32),
                                            rt.PerReplica([np.ones(2, np.float32)] * 2))
+
+
+_BACKWARDS = {
+    "clip": lambda g, w: jnp.clip(g, -0.01, 0.01),
+    "scaled": lambda g, w: 3.0 * g,
+    "shifted": lambda g, w: g + 1.0,
+    "leaky": lambda g, w: jnp.where(g > 0, g, 0.1 * g),
+    "times_primal": lambda g, w: g * w,
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", sorted(_BACKWARDS))
+def test_custom_gradient_of_a_mirrored_weight_is_reduced_over_replicas(name, reduction):
+    """``jax.custom_gradient`` applied to a mirrored weight: its gradient function runs on
+    each replica's own cotangent and the results are reduced over the replicas, as a
+    ``custom_vjp``'s (oracle: c·∇ Σ_r L_r on one device, each replica's loss through the
+    same function). Before, a gradient function with a nested ``jit`` (``jnp.clip``) came
+    back per replica, unreduced, and one with a constant (``3.0 * g``) failed to type."""
+    n = 4
+    bwd = _BACKWARDS[name]
+
+    @jax.custom_gradient
+    def through(w):
+        return w, lambda g: (bwd(g, w),)
+
+    def loss(w, x):
+        return jnp.mean((x @ through(w)) ** 2)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4 * n, 3)).astype(np.float32)
+    w = (0.5 * rng.normal(size=3)).astype(np.float32)
+    got = rt.replicate(lambda w, x: jax.grad(loss)(w, x), num_replicas=n,
+                       loss_reduction=reduction)(w, rt.distribute(x, n))
+    assert not isinstance(got, rt.PerReplica)
+    c = 1.0 / n if reduction == "mean" else 1.0
+    want = c * jax.grad(lambda w: sum(loss(w, xr) for xr in np.split(x, n)))(w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
