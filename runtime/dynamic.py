@@ -464,6 +464,21 @@ class DynamicPath:
     def prepare(self, args: tuple, statics: tuple = ()) -> tuple:
         """Plan a call in full: validate it, choose the buckets, and fetch (or build and
         compile) the program of those buckets. Returns ``(plan, sizes)``."""
+        leaves, treedef, per_leaf, syms, sizes, buckets, bounds, pads, key = \
+            self.planned_key(args, statics)
+        cache = self.rep._cache
+        ckey = (key, jc.trace_context())  # the JAX context too (Replicated._call)
+        prog = cache.get(ckey)
+        if prog is None:
+            prog = cache.get_or_build(ckey, lambda: self.build(leaves, treedef, per_leaf, syms,
+                                                               buckets, bounds, key,
+                                                               statics).compile())
+            self._maybe_warn()
+        return _Plan(prog, syms, buckets, pads, self.rep.num_replicas), tuple(sizes)
+
+    def planned_key(self, args: tuple, statics: tuple = ()) -> tuple:
+        """A call's plan (:meth:`plan`), how each argument leaf pads to its buckets, and
+        the cache key of its bucket's program."""
         leaves, treedef, per_leaf, syms, sizes, buckets, bounds = self.plan(args)
         pads, key_sigs = [], []
         for x, info in zip(leaves, per_leaf):
@@ -481,21 +496,35 @@ class DynamicPath:
             pads.append((td, tuple(leaf_pads)))
             key_sigs.append(("per_replica", td, tuple(sig)))
         key = ("dynamic", treedef, tuple(key_sigs), tuple(sorted(bounds.items())), statics)
-        cache = self.rep._cache
-        ckey = (key, jc.trace_context())  # the JAX context too (Replicated._call)
-        prog = cache.get(ckey)
-        if prog is None:
-            prog = cache.get_or_build(ckey, lambda: self.build(leaves, treedef, per_leaf, syms,
-                                                               buckets, bounds, key,
-                                                               statics).compile())
-            self._maybe_warn()
-        return _Plan(prog, syms, buckets, tuple(pads), self.rep.num_replicas), tuple(sizes)
+        return leaves, treedef, per_leaf, syms, sizes, buckets, bounds, tuple(pads), key
 
     def lower(self, args: tuple, statics: tuple = ()) -> Any:
-        """The program (not compiled) for these arguments' buckets."""
-        leaves, treedef, per_leaf, syms, sizes, buckets, bounds = self.plan(args)
-        return self.build(leaves, treedef, per_leaf, syms, buckets, bounds, ("dynamic-lower",),
+        """The program (not compiled) for these arguments' buckets; its ``key`` is theirs
+        (:meth:`run_compiled` takes calls of the same buckets)."""
+        leaves, treedef, per_leaf, syms, sizes, buckets, bounds, pads, key = \
+            self.planned_key(args, statics)
+        prog = self.build(leaves, treedef, per_leaf, syms, buckets, bounds, ("dynamic-lower",),
                           statics)
+        prog.key, prog.dyn_buckets = key, buckets
+        return prog
+
+    def run_compiled(self, prog: Any, args: tuple, statics: tuple = ()) -> Any:
+        """A call of a program compiled ahead of time (``step.lower(...).compile()``):
+        padded to the buckets it was built for and run, as a call of the step would run
+        its bucket's program; arguments whose buckets, structure, dtypes or statics
+        differ are a ``TypeError`` saying which."""
+        leaves, _, _, syms, sizes, buckets, _, pads, key = self.planned_key(args, statics)
+        if buckets != prog.dyn_buckets:
+            raise TypeError(f"{self.rep.__name__}: the compiled step runs dynamic dims in the "
+                            f"buckets {prog.dyn_buckets}, but this call's sizes need "
+                            f"{buckets}; call the step itself (it compiles each bucket) or "
+                            f"lower and compile for these arguments")
+        if key != prog.key:
+            raise TypeError(f"{self.rep.__name__}: the compiled step takes arguments of "
+                            f"another structure, dtype or static arguments than this call's; "
+                            f"lower and compile for these arguments")
+        return self.run(_Plan(prog.compile(), syms, buckets, pads, self.rep.num_replicas),
+                        tuple(sizes), leaves)
 
     def _maybe_warn(self) -> None:
         limit = getattr(self.options, "max_compiles_warning", None)

@@ -373,6 +373,8 @@ class Replicated:
             raise self._compile_only_error()
         args, statics = self._split_call(args, kwargs or {}) if (
             kwargs or self._statics_or_kwargs) else (args, ())
+        if self._dynamic is not None:
+            return self._dynamic.run_compiled(prog, args, statics)
         leaves, _, key = self._key_of(args)
         _check_same_signature(prog.key, key + ((statics,) if statics else ()))
         return prog.compile().run(leaves)
@@ -535,6 +537,21 @@ def _check_same_signature(compiled_key: tuple, key: tuple) -> None:
         if strip(want) != strip(got):
             raise TypeError(f"argument leaf {i}: the compiled step takes {_describe(want)} but "
                             f"was called with {_describe(got)}")
+    # the static arguments (and how keyword arguments were passed) were traced into it
+    want, got = compiled_key[2] if len(compiled_key) > 2 else (), key[2] if len(key) > 2 else ()
+    if want != got:
+        raise TypeError(f"the compiled step was compiled for the static arguments "
+                        f"{_describe_statics(want)} but was called with "
+                        f"{_describe_statics(got)}; lower and compile for these")
+
+
+def _describe_statics(statics: tuple) -> str:
+    parts = [f"{s[1]}={s[2]!r}" if s[0] == "kw" else f"argument {s[1]}={s[2]!r}"
+             for s in statics if s[0] in ("pos", "kw")]
+    names = [n for s in statics if s[0] == "kwargs" for n in s[1]]
+    if names:
+        parts.append("keyword arguments " + ", ".join(names))
+    return "(" + ", ".join(parts) + ")" if parts else "(none)"
 
 
 def replicate(fn: Callable | None = None, *, num_replicas: int | None = None,

@@ -351,6 +351,49 @@ def test_compiled_checks_its_arguments():
     np.testing.assert_array_equal(out.values[1], [0.0, 0.0, 0.0])
 
 
+def test_compiled_checks_its_static_arguments():
+    """A ``Compiled`` step was traced with its static arguments: called with others it
+    is a ``TypeError`` naming both (before: it ran the program of the old ones, 12.0 where
+    the step gives 20.0), by position or by name; the same ones run."""
+    def step(w, x, k):
+        return jnp.sum(x) * w * k
+    w, x = np.float32(1.0), rt.distribute(np.ones((4, 2), np.float32), 2)
+    by_pos = rt.replicate(step, num_replicas=2, static_argnums=(2,))
+    compiled = by_pos.lower(w, x, 3).compile()
+    with pytest.raises(TypeError, match=r"static arguments \(argument 2=3\) but was called "
+                                        r"with \(argument 2=5\)"):
+        compiled(w, x, 5)
+    np.testing.assert_array_equal(compiled(w, x, 3).values[1], by_pos(w, x, 3).values[1])
+    by_name = rt.replicate(step, num_replicas=2, static_argnames=("k",))
+    compiled = by_name.lower(w, x, k=3).compile()
+    with pytest.raises(TypeError, match=r"\(k=3\) but was called with \(k=5\)"):
+        compiled(w, x, k=5)
+    np.testing.assert_array_equal(compiled(w, x, k=3).values[0], [12.0])
+
+
+def test_compiled_dynamic_shapes_step_runs_calls_of_its_buckets():
+    """``lower(...).compile()`` of a dynamic-shapes step runs any call whose sizes fall in
+    the buckets it was compiled for, uneven replicas included, with the numbers of the
+    step itself (before: an ``IndexError``, or a ``ValueError`` about uneven replicas); a
+    call that needs other buckets is a ``TypeError`` naming both."""
+    def step(w, x):
+        return (jnp.mean(x) * w)[None], jnp.sum(x, 0)
+    dyn = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    w = np.float32(2.0)
+    lowered_for = rt.distribute_uneven(np.arange(10, dtype=np.float32).reshape(5, 2), 2)
+    compiled = dyn.lower(w, lowered_for).compile()
+    for rows in (5, 7, 6):  # (3, 2), (4, 3), (3, 3) rows: all in the bucket of 4
+        x = rt.distribute_uneven(np.arange(2 * rows, dtype=np.float32).reshape(rows, 2), 2)
+        got, want = compiled(w, x), dyn(w, x)
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            for gv, ev in zip(g.values, e.values):
+                np.testing.assert_array_equal(np.asarray(gv), np.asarray(ev))
+    big = rt.distribute(np.ones((16, 2), np.float32), 2)
+    with pytest.raises(TypeError, match=r"buckets \{'b': 4\}, but this call's sizes need "
+                                        r"\{'b': 8\}"):
+        compiled(w, big)
+
+
 @pytest.mark.parametrize("make_key", [jax.random.PRNGKey, jax.random.key], ids=["raw", "typed"])
 def test_prng_keys_as_mirrored_inputs(make_key):
     def fn(k):
