@@ -57,7 +57,8 @@ The key (``key_entries``, in this order; the digest is sha256 over
                         bucket_bytes, dynamic_shapes, bucketing, maximum_shapes
 ``program``             sha256 of the step traced for this call (:func:`program_fingerprint`):
                         every value the program depends on, closed-over objects and arrays
-                        included, whatever the code entries above could see of them
+                        included, whatever the code entries above could see of them, and
+                        the structure of its results
 ======================  ====================================================================
 
 The code entries (``fn.code``, ``fn.source``) see closure values and globals of simple
@@ -268,15 +269,20 @@ def digest(entries: dict[str, str]) -> str:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def program_fingerprint(graph: Any) -> str:
+def program_fingerprint(graph: Any, out_treedef: Any = None) -> str:
     """sha256 (hex) of a traced step's program: the imported IR's text (object addresses,
-    which differ between processes, dropped) and the dtype, shape and bytes of every
-    constant, shared regions once. Two traces give the same fingerprint exactly when
-    they are the same program: constants closed over (an array, a learning rate inside an
-    optimizer object) are in it whatever the code key could see of them."""
+    which differ between processes, dropped), the dtype, shape and bytes of every
+    constant, shared regions once, and the structure the results are returned in
+    (``out_treedef``: dict keys and containers, which the IR does not hold and a record
+    restores). Two traces give the same fingerprint exactly when they are the same
+    program: constants closed over (an array, a learning rate inside an optimizer
+    object) are in it whatever the code key could see of them, and so are result names
+    taken from a closed-over object (a hit returned the old names on the same values)."""
     from ir.printer import print_graph
     h = hashlib.sha256()
     h.update(_ADDRESS.sub(" at 0x?", print_graph(graph)).encode())
+    if out_treedef is not None:
+        h.update(_ADDRESS.sub(" at 0x?", f"\nresults: {out_treedef}").encode())
     seen: set[int] = set()
 
     def consts(g: Any) -> None:
@@ -480,7 +486,7 @@ class PersistentCache:
         own cache), stored."""
         entries = key_entries(owner, key)
         traced = trace()
-        entries["program"] = program_fingerprint(traced.graph)
+        entries["program"] = program_fingerprint(traced.graph, traced.out_treedef)
         d = digest(entries)
         rec = self.load(d)
         if rec is not None and (rec.get("digest") != d or rec.get("entries") != entries):

@@ -174,6 +174,37 @@ def test_values_the_step_closes_over_are_part_of_the_key(tmp_path):
     assert again["compiles"] == 0 and again["w"] == fresh["w"], again
 
 
+def test_result_names_the_step_reads_from_an_object_are_part_of_the_key(tmp_path):
+    """Result names taken from an object the step reads (the code key sees its type
+    only): renamed so that the IR is the same program, the record must not be reused
+    (before: a disk hit returned the first run's names, ``out["loss"]`` reading another
+    result). Same names again: a hit with them."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import runtime as rt
+
+    class Names:
+        def __init__(self, first, second):
+            self.first, self.second = first, second
+
+    def run(names):
+        def step(x):
+            s = rt.all_reduce(jnp.sum(x), "sum")
+            return {names.first: s, names.second: s * 2.0}
+        rep = rt.replicate(step, num_replicas=2, options=rt.RunOptions(cache_dir=str(tmp_path)))
+        out = rep(rt.distribute(np.arange(4, dtype=np.float32), 2))
+        return {k: float(v) for k, v in out.items()}, rep.cache_info()
+
+    first, _ = run(Names("loss", "err"))
+    assert first == {"loss": 6.0, "err": 12.0}
+    renamed, info = run(Names("zzz", "loss"))  # sorted keys keep the leaves' order
+    # (a record of its own; XLA's executable may come from JAX's cache: the same HLO)
+    assert renamed == {"zzz": 6.0, "loss": 12.0} and info.disk_writes == 1, (renamed, info)
+    again, info = run(Names("zzz", "loss"))
+    assert again == renamed and info.disk_hits == 1, (again, info)
+
+
 def test_cache_dir_from_environment(tmp_path):
     cache = tmp_path / "envcache"
     script = tmp_path / "worker.py"
