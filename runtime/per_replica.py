@@ -218,6 +218,36 @@ def reduce(op: str, value: Any, axis: int | None = None,
             stacked = _stacked_on_host(v)
             if stacked is not None:
                 return red(*stacked)
+            if is_local_view(v):  # this process's replicas of a step's result
+                return jax.tree.map(lambda *xs: across_processes(op, red, xs, axis), *v.values)
             return jax.tree.map(red, *v.values)
         return identical(path, v)
     return jax.tree_util.tree_map_with_path(one, value, is_leaf=is_per_replica)
+
+
+def is_local_view(v: PerReplica) -> bool:
+    """Is ``v`` a step's per-replica result in a run of several processes (its values
+    this process's replicas only, its global array spanning the others)?"""
+    if v._global is None or len(v._global[1]) != 1:
+        return False
+    g = v._global[1][0]
+    return isinstance(g, jax.Array) and not g.is_fully_addressable
+
+
+def across_processes(op: str, red: Callable, xs: Sequence[Any], axis: int | None) -> Any:
+    """``op`` over the replicas of every process, from this process's ``xs``: each
+    process reduces its own (``red``; a mean as its sum and count), the partial results
+    are gathered from every process and reduced. A collective: every process calls it,
+    in the same order (as TF's ``strategy.reduce`` across workers)."""
+    from jax.experimental import multihost_utils
+    xs = [np.asarray(x) for x in xs]
+    if op != "mean":
+        parts = multihost_utils.process_allgather(np.asarray(red(*xs)))
+        return getattr(np, op)(np.asarray(parts), axis=0)
+    local = red(*xs)  # (validates, and gives the mean's dtype)
+    cat = np.stack(xs) if axis is None else np.concatenate(xs, axis=axis)
+    count = cat.shape[0 if axis is None else axis]
+    sums = np.asarray(multihost_utils.process_allgather(np.sum(cat, axis=0 if axis is None
+                                                                else axis)))
+    counts = np.asarray(multihost_utils.process_allgather(np.asarray(count, np.int64)))
+    return np.asarray(np.sum(sums, axis=0) / np.sum(counts)).astype(np.asarray(local).dtype)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from compiler.trace import CURRENT_NUM_REPLICAS
-from runtime.per_replica import PerReplica
+from runtime.per_replica import PerReplica, across_processes, is_local_view
 
 __all__ = ["SyncOnRead", "AGGREGATIONS"]
 
@@ -78,10 +78,22 @@ class SyncOnRead:
         """The aggregate over replicas (numpy): their sum, their mean, or replica 0's."""
         self._outside("read")
         vals = self._values.values
+        local_view = is_local_view(self._values)  # several processes: a collective
         if self.aggregation == "only_first_replica":
+            if local_view:
+                from jax.experimental import multihost_utils
+                return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(
+                    jax.tree.map(np.asarray, vals[0]),
+                    is_source=jax.process_index() == _first_replica_process(self._values)))
             return jax.tree.map(np.asarray, vals[0])
-        fn = np.sum if self.aggregation == "sum" else np.mean
-        return jax.tree.map(lambda *xs: fn(np.stack([np.asarray(x) for x in xs]), axis=0), *vals)
+        op = "sum" if self.aggregation == "sum" else "mean"
+        fn = getattr(np, op)
+
+        def red(*xs):
+            return fn(np.stack([np.asarray(x) for x in xs]), axis=0)
+        if local_view:
+            return jax.tree.map(lambda *xs: across_processes(op, red, xs, None), *vals)
+        return jax.tree.map(red, *vals)
 
     def reset(self, init: Any = None) -> SyncOnRead:
         """A ``SyncOnRead`` with every replica's value set to ``init`` (default: zeros)."""
@@ -210,3 +222,10 @@ def _unflatten(aux: tuple, children: Sequence[Any]) -> SyncOnRead:
 
 
 jax.tree_util.register_pytree_node(SyncOnRead, _flatten, _unflatten)
+
+
+def _first_replica_process(values: Any) -> int:
+    """The process holding replica 0 of a step's per-replica result (its global array's
+    first device along the replica axis)."""
+    g = values._global[1][0]
+    return int(g.sharding.mesh.devices.flat[0].process_index)

@@ -56,6 +56,10 @@ def test_two_processes_equal_one_process_adam(tmp_path):
                     {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert rc == 0, log1[-4000:]
     assert "process 0/1: 8 replicas" in log1
+    # rt.reduce and SyncOnRead.read over every process's replicas, not the local ones
+    # (before: 6 and 22 for the sum over two processes' 4 replicas each, of 28)
+    want = "reductions: sum 28 mean 3.5 max 7 min 0 read 36 first 1"
+    assert f"[p0] {want}" in log and f"[p1] {want}" in log and want in log1, log[-4000:]
     mp, sp = np.load(mp_out), np.load(sp_out)
     mp1 = np.load(f"{mp_out}.p1.npz")
     assert sorted(mp) == sorted(sp) and len(sp) == 4

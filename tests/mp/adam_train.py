@@ -46,8 +46,20 @@ def main(out_path: str) -> None:
     with rt.distribute_iterator(iter(data[STEPS // 2:]), step=step) as it:
         for batch in it:
             p, s, loss = step(p, s, batch)
-    local_loss = rt.reduce("mean", loss)
-    print(f"final local mean loss {float(local_loss):.6f}", flush=True)
+    print(f"final mean loss {float(rt.reduce('mean', loss)):.6f}", flush=True)
+    # reductions over every process's replicas (collectives: every process calls them),
+    # of replica r's value r: the same numbers as one process of 8 replicas
+    x = rt.distribute(np.arange(n, dtype=np.float32).reshape(n, 1), n).values
+    mine_x = rt.PerReplica([x[r] for r in mine])
+    own = rt.replicate(lambda v: v[0, 0], num_replicas=n)(mine_x)
+    add = lambda t, v: t + v[0, 0] + 1  # noqa: E731
+    acc, first = rt.replicate(lambda a, b, v: (a.update(lambda t: add(t, v)),
+                                               b.update(lambda t: add(t, v))), num_replicas=n)(
+        rt.SyncOnRead(np.float32(0), "sum", num_replicas=len(mine)),
+        rt.SyncOnRead(np.float32(0), "only_first_replica", num_replicas=len(mine)), mine_x)
+    print("reductions: " + " ".join(f"{op} {float(rt.reduce(op, own)):g}"
+                                    for op in ("sum", "mean", "max", "min"))
+          + f" read {float(acc.read()):g} first {float(first.read()):g}", flush=True)
     flat = {jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_flatten_with_path(p)[0]}
     # process 0 writes out_path; the others out_path.p<id>.npz (mirrored results are the
