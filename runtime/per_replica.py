@@ -87,10 +87,15 @@ def is_per_replica(x: Any) -> bool:
 def distribute(tree: Any, num_replicas: int) -> PerReplica:
     """Split every leaf of ``tree`` along axis 0 into ``num_replicas`` equal parts.
 
-    Raises ``ValueError`` naming the leaf shape when axis 0 is not divisible."""
+    NumPy leaves are copied: a loader may refill its batch buffer as soon as this returns
+    (a step reads its inputs after its call returns, so a buffer passed as it is could
+    change under it). Raises ``ValueError`` naming the leaf shape when axis 0 is not
+    divisible."""
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"distribute: num_replicas must be a positive int, got {num_replicas!r}")
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    with_path = [(path, np.array(leaf) if isinstance(leaf, np.ndarray) else leaf)
+                 for path, leaf in with_path]
     leaves = [leaf for _, leaf in with_path]
     parts: list[list[Any]] = [[] for _ in range(num_replicas)]
     for path, leaf in with_path:

@@ -27,6 +27,19 @@ def test_per_replica_container():
         a, b, c = pr
 
 
+def test_distribute_snapshots_numpy_batches():
+    """A loader that refills its batch buffer right after ``distribute`` (before or while
+    the step runs) does not change the step's input: NumPy leaves are copied (before, the
+    per-replica values were views of the buffer, and the executable read it after the
+    call returned)."""
+    buf = np.arange(8, dtype=np.float32).reshape(4, 2)
+    batch = rt.distribute({"x": buf}, 2)
+    buf[:] = -1.0
+    np.testing.assert_array_equal(np.asarray(batch.values[1]["x"]), [[4.0, 5.0], [6.0, 7.0]])
+    out = rt.replicate(lambda b: jnp.sum(b["x"]), num_replicas=2)(batch)
+    assert [float(v) for v in out.values] == [6.0, 22.0]
+
+
 def test_distribute_splits_every_leaf_along_axis_0():
     x = _arange(8, 3)
     y = _arange(8)
