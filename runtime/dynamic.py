@@ -151,9 +151,11 @@ def check_options(options: Any) -> None:
 
 def distribute_uneven(tree: Any, num_replicas: int) -> PerReplica:
     """Split every leaf along axis 0 into ``num_replicas`` nearly equal parts (the first
-    ones one longer, as ``numpy.array_split``): an uneven last batch for a dynamic step."""
+    ones one longer, as ``numpy.array_split``): an uneven last batch for a dynamic step.
+    NumPy leaves are copied, as by ``rt.distribute``: the caller may refill its buffer."""
     leaves, td = jax.tree.flatten(tree)
-    parts = [_array_split(x, num_replicas) for x in leaves]
+    parts = [_array_split(np.array(x) if isinstance(x, np.ndarray) else x, num_replicas)
+             for x in leaves]
     return PerReplica([td.unflatten([p[r] for p in parts]) for r in range(num_replicas)])
 
 

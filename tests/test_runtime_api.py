@@ -38,6 +38,9 @@ def test_distribute_snapshots_numpy_batches():
     np.testing.assert_array_equal(np.asarray(batch.values[1]["x"]), [[4.0, 5.0], [6.0, 7.0]])
     out = rt.replicate(lambda b: jnp.sum(b["x"]), num_replicas=2)(batch)
     assert [float(v) for v in out.values] == [6.0, 22.0]
+    uneven = rt.distribute_uneven(buf, 3)  # (rows 2, 1, 1)
+    buf[:] = 5.0
+    np.testing.assert_array_equal(np.asarray(uneven.values[0]), [[-1.0, -1.0], [-1.0, -1.0]])
 
 
 def test_distribute_splits_every_leaf_along_axis_0():
