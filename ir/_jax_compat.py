@@ -1095,10 +1095,20 @@ def _install_varying_promotion() -> None:
 
     # (the parameter names are JAX's: callers may pass any of them by keyword)
     def cond(pred, true_fun, false_fun, *operands, **kwargs):
+        if not kwargs and _vmapped(pred):
+            index = pred if not np.issubdtype(np.dtype(pred.dtype), np.integer) else pred != 0
+            out = _selected((false_fun, true_fun), index, operands)
+            if out is not None:
+                return out
         return _to_fixed_point(lambda axes: cast_all((true_fun, false_fun), axes),
                                lambda fns, _: orig["cond"](pred, *fns, *operands, **kwargs))
 
     def switch(index, branches, *operands, **kwargs):
+        if not kwargs and _vmapped(index) and len(branches) > 1:
+            out = _selected(list(branches), jax.lax.clamp(0, index.astype(np.int32),
+                                                          len(branches) - 1), operands)
+            if out is not None:
+                return out
         return _to_fixed_point(lambda axes: cast_all(list(branches), axes),
                                lambda fns, _: orig["switch"](index, fns, *operands, **kwargs))
 
@@ -1130,6 +1140,43 @@ def _install_varying_promotion() -> None:
         for module in (jax.lax, control_flow, conditionals, loops):
             if getattr(module, name, None) is original:
                 setattr(module, name, wrapper)
+
+
+def _vmapped(index: Any) -> bool:
+    """Is a ``cond``/``switch`` index batched by an enclosing ``jax.vmap`` (one per
+    example)? JAX then runs every branch and selects per example
+    (``_cond_batching_rule``), which under ``shard_map(check_vma=True)`` fails in its
+    derivative when a branch uses a mirrored value (``pvary is a invariant->variant
+    collective``: JAX 0.10 and 0.11, with plain ``jax.shard_map`` too): :func:`_selected`
+    does the same selection itself."""
+    from jax._src.interpreters import batching
+    return isinstance(index, batching.BatchTracer) and index.batch_dim is not None
+
+
+def _selected(branches: Sequence[Any], index: Any, operands: tuple) -> Any:
+    """Every branch's result, ``lax.select_n`` by ``index`` (what JAX's batching of a
+    ``cond`` with a batched index computes), the results cast to what varies in any of
+    them; ``None`` when the branches' results differ in structure, shape or dtype (JAX's
+    own error then)."""
+    outs = [b(*operands) for b in branches]
+    flat = [jax.tree.flatten(o) for o in outs]
+    if any(td != flat[0][1] for _, td in flat) or any(
+            len(leaves) != len(flat[0][0]) or any(
+                jnp_shape_dtype(a) != jnp_shape_dtype(b) for a, b in zip(leaves, flat[0][0]))
+            for leaves, _ in flat):
+        return None
+    index = index.astype(np.int32)
+    leaves = []
+    for cases in zip(*(leaves for leaves, _ in flat)):
+        axes = frozenset().union(*(varying_axes(jax.typeof(c)) for c in (index, *cases)))
+        leaves.append(jax.lax.select_n(to_varying(index, axes),
+                                       *(to_varying(c, axes) for c in cases)))
+    return jax.tree.unflatten(flat[0][1], leaves)
+
+
+def jnp_shape_dtype(x: Any) -> tuple:
+    aval = jax.typeof(x)
+    return aval.shape, aval.dtype
 
 
 def forwards(new: Any, old: Any) -> bool:

@@ -390,3 +390,31 @@ def test_custom_gradient_of_a_mirrored_weight_is_reduced_over_replicas(name, red
     c = 1.0 / n if reduction == "mean" else 1.0
     want = c * jax.grad(lambda w: sum(loss(w, xr) for xr in np.split(x, n)))(w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["cond", "cond_int", "switch"])
+def test_gradient_through_a_per_example_branch_under_vmap(kind):
+    """``jax.grad`` through ``jax.vmap`` of a ``lax.cond``/``switch`` whose index is per
+    example, the branches using a mirrored weight: every branch runs and each example
+    takes its own (JAX's batching of a batched index), and the gradient is the mean of
+    the replicas' (before: JAX's "pvary is a invariant->variant collective" error, which
+    plain ``jax.shard_map(check_vma=True)`` gives too)."""
+    n = 4
+
+    def pick(xi, w):
+        if kind == "cond":
+            return lax.cond(jnp.sum(xi) > 0, lambda: jnp.tanh(xi @ w), lambda: jnp.sin(xi @ w))
+        if kind == "cond_int":
+            return lax.cond((jnp.sum(xi) > 0).astype(jnp.int32), lambda v: v @ w,
+                            lambda v: -(v @ w) ** 2, xi)
+        return lax.switch(jnp.argmax(xi), [lambda: xi @ w, lambda: jnp.cos(xi @ w),
+                                           lambda: 2.0 * xi @ w], )
+
+    def loss(w, x):
+        return jnp.mean(jax.vmap(lambda xi: pick(xi, w))(x) ** 2)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4 * n, 3)).astype(np.float32)
+    w = (0.5 * rng.normal(size=(3, 3))).astype(np.float32)
+    got = rt.replicate(lambda w, x: jax.grad(loss)(w, x), num_replicas=n)(w, rt.distribute(x, n))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(jax.grad(loss))(w, x)),
+                               rtol=1e-5, atol=1e-6)
