@@ -249,6 +249,11 @@ def key_entries(owner: Any, key: tuple) -> dict[str, str]:
 
 
 def _signature_text(key: tuple) -> str:
+    if key and key[0] == "dynamic":  # (runtime.dynamic: the buckets' signature and bounds)
+        _, treedef, sigs, bounds, statics = key
+        inner = _signature_text((treedef, sigs) + ((statics,) if statics else ()))
+        return f"dynamic {inner}" + (f" :: bounds {dict(bounds)}" if bounds else "")
+
     def leaf(sig: Any) -> str:
         if sig and sig[0] == "per_replica":
             return f"PerReplica[{sig[1]}]({', '.join(leaf(s) for s in sig[2])})"
