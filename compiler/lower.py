@@ -86,10 +86,21 @@ def _all_reduce(op: Op, args: list[Any]) -> list[Any]:
     if _single_replica():
         return list(args)
     axes = op.attr("axes", (REPLICA_AXIS,))
-    outs = _widened(_REDUCERS[op.attr("reduce")], args, axes)
+    fn = _REDUCERS[op.attr("reduce")]
+    if fn is lax.pmean and _PLATFORM.get() != "cpu" and any(a.dtype == np.float16 for a in args):
+        fn = _mean_of_parts  # (CPU: _widened sums in float32)
+    outs = _widened(fn, args, axes)
     if op.attr("reduce") in ("max", "min"):
         outs = _nan_kept(args, outs, lambda nan: lax.pmax(nan.astype(np.int32), axes) > 0)
     return outs
+
+
+def _mean_of_parts(xs: tuple, axes: Any) -> tuple:
+    """The mean over replicas as the sum of each replica's value divided by N: ``pmean``
+    sums first, and a float16 sum of N values can overflow where their mean does not
+    (exact for N a power of two; ``cross_replica_sum._half_means``)."""
+    n = lax.psum(1, axes)
+    return lax.psum(tuple(x / np.asarray(n, x.dtype) for x in xs), axes)
 
 
 def _floating(x: Any) -> bool:

@@ -418,3 +418,41 @@ def test_gradient_through_a_per_example_branch_under_vmap(kind):
     got = rt.replicate(lambda w, x: jax.grad(loss)(w, x), num_replicas=n)(w, rt.distribute(x, n))
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(jax.grad(loss))(w, x)),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["plain", "regularized", "used_twice"])
+def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
+    """A float16 weight under a 2**15 loss scale on 4 replicas: each replica's gradient
+    (and the mean) is finite, the sum of four is not. The gradient all-reduce takes the
+    mean (the division moved below the sum, also past a mirrored regularizer's gradient
+    added to it), so the result is ``jax.jit``'s on the global batch (before: inf)."""
+    n = 4
+
+    def loss(w, x):
+        y = x * w if case != "used_twice" else x * w + 0.5 * (x * w)
+        data = jnp.mean(y) * jnp.float16(2.0 ** 15)
+        return data + (jnp.sum(w * w) * jnp.float16(1e-3) if case == "regularized" else 0)
+    w = jnp.ones((3,), jnp.float16)
+    x = np.full((8, 3), 1.5 if case != "used_twice" else 1.0, np.float16)
+    got = rt.replicate(lambda w, x: jax.grad(loss)(w, x), num_replicas=n)(w, rt.distribute(x, n))
+    want = jax.jit(jax.grad(loss))(w, x)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-3)
+
+
+def test_mean_of_parts_is_a_float16_mean_that_does_not_overflow():
+    """``compiler.lower._mean_of_parts``: the all-reduce ``mean`` of float16 values where
+    they are not widened (off CPU) divides each part by N before the sum, so four of
+    30000 give 30000 where ``lax.pmean`` (sum first) gives inf."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from compiler.lower import _mean_of_parts
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("r",))
+    x = np.full((4, 3), 30000.0, np.float16)
+
+    def run(fn):
+        return np.asarray(jax.jit(jax.shard_map(lambda v: fn((v,), "r")[0], mesh=mesh,
+                                                in_specs=P("r"), out_specs=P("r")))(x))
+    np.testing.assert_array_equal(run(_mean_of_parts), x)
+    assert np.isinf(run(lambda xs, a: (lax.pmean(xs[0], a),))).all()

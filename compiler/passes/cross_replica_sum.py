@@ -21,6 +21,9 @@ Contract:
   instead of silently computing ``"sum"``). Gradient all-reduces stay sums (so buckets
   merge them all); a ``"mean"`` shows as the division by N that follows;
 - every all-reduce made by transposition (the backward pass) gets ``gradient=True``;
+  one of float16 values that only a ``"mean"`` division reads (through casts and sums
+  of such all-reduces) becomes an all-reduce ``mean`` instead, the division dropped: the
+  sum could overflow where the mean does not (``_half_means``);
 - a user ``all_reduce(sum)`` of a value already identical on every replica gives a warning
   naming the source line (a sum multiplies it by N); a ``pmean`` does not, nor does a sum
   of constants (``lax.psum(1, axis)``: pmap code's count of the replicas), nor does any
@@ -109,6 +112,14 @@ def _uses(graph: Graph, cache: list) -> list:
     return cache
 
 
+#: ops of one operand that a division by N commutes with (``_half_means``)
+_LINEAR_UNARY = frozenset({"convert_element_type", "reduce_sum", "reshape", "transpose",
+                           "squeeze", "expand_dims", "broadcast_in_dim", "neg", "copy",
+                           "copy_p", "slice", "rev"})
+#: ops linear in every operand: each must be made of such all-reduces
+_LINEAR_SUMS = frozenset({"add_any", "add", "sub", "concatenate"})
+
+
 @dataclass(frozen=True)
 class CrossReplicaSumPass:
     """Marks and scales gradient all-reduces (see module docstring)."""
@@ -133,17 +144,76 @@ class CrossReplicaSumPass:
         reduction = -1 if self.loss_reduction == "mean" else 0
         return int(op.attr("replicas", 0)) + reduction * int(op.attr("reduction", 0))
 
+    def _half_means(self, graph: Graph, enclosing: bool,
+                    uses: list) -> tuple[set[int], dict[int, set[int]]]:
+        """Where a float16 gradient all-reduce's sum could overflow though its mean does
+        not (four of 16384 under a 2**15 loss scale: inf, where ``jax.jit`` and pmap
+        code that unscales before its ``pmean`` give 16384; XLA keeps the sum in float16),
+        the division by N of a ``"mean"`` ``loss_scale`` moves below the sum: when the
+        scaled value is made by linear ops only (``_LINEAR_UNARY``, ``_LINEAR_SUMS``: a
+        division commutes with them, exactly for N a power of two) whose intermediate
+        values nothing else reads, out of gradient all-reduces (one of float16 values at
+        least) and other values. Returns the ids of those ``loss_scale`` ops (dropped) and
+        all-reduces (made ``mean``), and per op id the operand positions of the other
+        values (each divided by N before the op)."""
+        if self.loss_reduction != "mean" or self.num_replicas == 1:
+            return set(), {}
+        scales = [op for op in graph.ops if op.name == "loss_scale" and self._power(op) == -1]
+        if not scales:
+            return set(), {}
+        users, producers = _uses(graph, uses)
+        ids: set[int] = set()
+        leaves: dict[int, set[int]] = {}
+        for op in scales:
+            reduces: list[Op] = []
+            others: list[tuple[Op, int]] = []
+
+            def linear(v: Value, reader: Op, pos: int) -> bool:
+                p = producers.get(v)
+                if p is None or len(users.get(v, ())) != 1 or len(p.results) != 1:
+                    others.append((reader, pos))  # (its value kept: a copy is divided)
+                    return jc.dtype_from_name(v.type.dtype).kind in "fc"
+                if p.name == "all_reduce" and p.attr("reduce") == "sum" \
+                        and transposed(p, enclosing) and len(p.operands) == 1 \
+                        and all(isinstance(d, int) for d in v.type.shape):
+                    reduces.append(p)
+                    return True
+                if p.name in _LINEAR_UNARY:
+                    return linear(p.operands[0], p, 0)
+                if p.name in _LINEAR_SUMS:
+                    return all(linear(u, p, i) for i, u in enumerate(p.operands))
+                others.append((reader, pos))
+                return jc.dtype_from_name(v.type.dtype).kind in "fc"
+            if linear(op.operands[0], op, 0) and reduces and any(
+                    r.operands[0].type.dtype == "float16" for r in reduces) and not any(
+                    reader is op for reader, _ in others):
+                ids.add(id(op))
+                ids.update(id(r) for r in reduces)
+                for reader, pos in others:
+                    leaves.setdefault(id(reader), set()).add(pos)
+        return ids, leaves
+
     def _rewrite(self, graph: Graph, enclosing: bool, memo: RegionMemo) -> Graph:
         """``graph`` (a region: inside a transposed op when ``enclosing``) rewritten; a
         region several ops share is rewritten once per ``enclosing``."""
         rw = Rewriter(graph)
         uses: list = []  # (users, producers) of the graph, made for the first warning check
+        half_means, divided = self._half_means(graph, enclosing, uses)
         for op in graph.ops:
             name = op.name
+            if id(op) in divided:  # (a value added to a float16 mean: divided by N first)
+                operands = list(op.operands)
+                for pos in sorted(divided[id(op)]):
+                    v = operands[pos]
+                    operands[pos] = Value(v.type)
+                    for new in _scale_ops(rw.get(v), operands[pos], -1, self.num_replicas,
+                                          op.loc):
+                        rw.add(new)
+                op = op.replace(operands=tuple(operands))
             if name == "loss_scale":
                 power = self._power(op) if self.num_replicas > 1 else 0
                 (x,), (r,) = op.operands, op.results
-                if power == 0:
+                if power == 0 or id(op) in half_means:  # (the mean taken by its all-reduces)
                     rw.alias(r, rw.get(x))
                 else:
                     for new in _scale_ops(rw.get(x), r, power, self.num_replicas, op.loc):
@@ -158,7 +228,9 @@ class CrossReplicaSumPass:
                     memo.get(g, is_t, lambda g=g: self._rewrite(g, is_t, memo))
                     for g in op.regions))
             if name == "all_reduce" and op.attr("reduce") == "sum":
-                if is_t:
+                if id(op) in half_means:
+                    op = op.with_attrs(reduce="mean", gradient=True)
+                elif is_t:
                     op = op.with_attrs(gradient=True)
                 elif (self.num_replicas > 1  # (a sum over one replica changes nothing)
                       and all(v.type.replica is Replica.MIRRORED for v in op.operands)
