@@ -507,7 +507,7 @@ class DynamicPath:
             self.planned_key(args, statics)
         prog = self.build(leaves, treedef, per_leaf, syms, buckets, bounds, ("dynamic-lower",),
                           statics)
-        prog.key, prog.dyn_buckets = key, buckets
+        prog.key, prog.dyn_buckets, prog.dyn_syms = key, buckets, tuple(syms)
         return prog
 
     def run_compiled(self, prog: Any, args: tuple, statics: tuple = ()) -> Any:

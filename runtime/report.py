@@ -165,6 +165,9 @@ def build_report(program: Any, input_paths: list[str] | None = None,
     hlo = compiled.as_text()
     in_sh = list(jax.tree.leaves(compiled.input_shardings[0]))
     out_sh = list(jax.tree.leaves(compiled.output_shardings))
+    syms = getattr(program, "dyn_syms", ())
+    if input_paths is not None and syms:  # dynamic shapes: the real sizes come first
+        input_paths = [f"(real size of dim {s})" for s in syms] + list(input_paths)
     return {
         "version": REPORT_VERSION,
         "function": getattr(owner.fn, "__qualname__", getattr(owner.fn, "__name__", "?")),

@@ -121,6 +121,11 @@ def test_inspect_dynamic_reports_the_bucket_and_padding(tmp_path, capsys):
     after = next((out / "ir").glob("*-padding.txt")).read_text()
     assert "pad_mask(" in after and "f32[16,8]" in after
     assert "25.0% padding" in capsys.readouterr().out
+    # each input named by its own argument: the real sizes come first (before, every
+    # name sat one input early, the weight's on the size)
+    labels = [(v["path"], v["type"].split(" ")[0]) for v in report["inputs"]]
+    assert labels == [("(real size of dim b)", "s32[]"), ("args[0]", "f32[8,4]"),
+                      ("args[1].per_replica", "f32[16,8]")], labels
 
 
 def test_inspect_reexecs_when_jax_has_too_few_devices(tmp_path, capfd):
