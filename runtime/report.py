@@ -55,7 +55,8 @@ def _dims_of(v: Any) -> tuple[int, ...]:
 
 def op_flops(op: Op) -> int:
     """Our estimate of the flops of one IR op (its regions included; a ``scan`` body
-    counts ``length`` times, a ``while`` body once)."""
+    counts ``length`` times, a ``while`` body once, a ``cond`` its costliest branch: one
+    branch runs)."""
     name = op.name
     if name == "dot_general" and op.results:
         dn = op.attr("dimension_numbers")
@@ -82,9 +83,10 @@ def op_flops(op: Op) -> int:
         total = _numel(op.operands[0].type)
     reps = op.attr("length", 1) if name == "scan" else 1
     reps = reps if isinstance(reps, int) and reps > 0 else 1
-    for region in op.regions:
-        total += reps * sum(op_flops(inner) for inner in region.ops)
-    return total
+    per_region = [sum(op_flops(inner) for inner in region.ops) for region in op.regions]
+    if name == "cond":
+        return total + max(per_region, default=0)
+    return total + reps * sum(per_region)
 
 
 def top_ops(graph: Graph, n: int = 10) -> list[dict[str, Any]]:

@@ -107,6 +107,20 @@ def test_op_flops_estimates():
     assert [op_flops(op) for op in g.ops] == [2 * 2 * 8 * 4 * 16, 64, 64]
 
 
+def test_flops_of_a_cond_are_its_costliest_branch():
+    """One branch of a ``cond`` runs: its flops are the costlier branch's (before, the sum
+    of both, twice what runs when they cost the same)."""
+    from runtime.report import op_flops
+
+    def step(w, x):
+        return jax.lax.cond(x.sum() > 0, lambda: x @ w, lambda: jnp.tanh(x @ w))
+    graph = rt.replicate(step, num_replicas=2).lower(
+        np.ones((16, 16), np.float32), rt.distribute(np.ones((16, 16), np.float32), 2)).ir()
+    cond = next(op for op in graph.ops if op.name == "cond")
+    dot = 2 * 8 * 16 * 16
+    assert op_flops(cond) == dot + 8 * 16  # (the tanh branch: its matmul and its tanh)
+
+
 def test_inspect_dynamic_reports_the_bucket_and_padding(tmp_path, capsys):
     out = tmp_path / "dyn"
     rc = tinspect.main([f"{MODELS}:dynamic_step", "--args", f"{MODELS}:dynamic_args",
