@@ -72,6 +72,8 @@ class Collective:
     pairs: collective-permute's ``source_target_pairs``; ``()`` for other kinds.
     op_name, source_file, source_line: from the instruction's metadata, else ``None``.
     computation: the HLO computation holding the instruction.
+    trips: how many times it runs per call of the program: 1 outside loops, the known trip
+    counts of the ``while`` loops around it multiplied, ``None`` when one is not known.
     """
 
     kind: str
@@ -85,6 +87,13 @@ class Collective:
     source_line: int | None
     computation: str
     is_async: bool = False
+    trips: int | None = 1
+
+    @property
+    def step_bytes(self) -> int | None:
+        """Bytes per device per call of the program (:attr:`bytes` times :attr:`trips`),
+        ``None`` when a loop's trip count is not known."""
+        return None if self.trips is None else self.bytes * self.trips
 
     @property
     def group_size(self) -> int:
@@ -505,7 +514,33 @@ def collectives(hlo_text: str) -> list[Collective]:
             computation=computation, is_async=is_start))
         if is_start:
             starts[(computation, instr.name)] = len(out) - 1
-    return out
+    trips = _trips(lines)
+    return [c if trips.get(c.computation, 1) == 1 else replace(c, trips=trips[c.computation])
+            for c in out]
+
+
+_WHILE_RE = re.compile(r"\bwhile\(.*?\bbody=%?(?P<body>[\w.\-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+
+
+def _trips(lines: list[str]) -> dict[str, int | None]:
+    """Per ``while`` body computation: how many times it runs per call (the known trip
+    counts of it and the loops around it multiplied; ``None`` when one is unknown)."""
+    own: dict[str, tuple[str, int | None]] = {}  # body -> (computation holding it, trips)
+    computation = ""
+    for line in lines:
+        if (c := _COMPUTATION_RE.match(line)) and "=" not in line.split("(")[0]:
+            computation = c.group("name")
+            continue
+        if (w := _WHILE_RE.search(line)) and " while(" in line:
+            n = _TRIP_RE.search(line)
+            own[w.group("body")] = (computation, int(n.group("n")) if n else None)
+
+    def total(body: str, depth: int = 0) -> int | None:
+        parent, n = own[body]
+        outer = total(parent, depth + 1) if parent in own and depth < 64 else 1
+        return None if n is None or outer is None else n * outer
+    return {body: total(body) for body in own}
 
 
 _WHILE_BODY_RE = re.compile(r"\bwhile\(.*?\bbody=%?(?P<name>[\w.\-]+)")
@@ -535,12 +570,14 @@ def summarize(report: Iterable[Collective]) -> str:
     async collectives are marked ``(async)``; a last line gives the count and total bytes.
     """
     rows = [("kind", "bytes", "groups", "source", "op_name")]
-    total = 0
+    total, unknown = 0, 0
     items = list(report)
     for c in items:
-        total += c.bytes
+        total += c.step_bytes or 0
+        unknown += c.trips is None
         src = c.source
-        rows.append((c.kind + (" (async)" if c.is_async else ""), str(c.bytes),
+        runs = "" if c.trips == 1 else (" x ?" if c.trips is None else f" x {c.trips}")
+        rows.append((c.kind + (" (async)" if c.is_async else ""), f"{c.bytes}{runs}",
                      _groups_text(c), src, c.op_name or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -548,7 +585,10 @@ def summarize(report: Iterable[Collective]) -> str:
         cells = [r[0].ljust(widths[0]), r[1].rjust(widths[1]),
                  r[2].ljust(widths[2]), r[3].ljust(widths[3]), r[4]]
         lines.append("  ".join(cells).rstrip())
-    lines.append(f"{len(items)} collective(s), {total} bytes per device")
+    loops = f" ({unknown} in loops of unknown trip count left out)" if unknown else ""
+    lines.append(f"{len(items)} collective(s), {total} bytes per device per step{loops}"
+                 + ("; x N: in a loop that runs N times" if any(c.trips != 1 for c in items)
+                    else ""))
     return "\n".join(lines)
 
 
@@ -557,6 +597,7 @@ def to_json(report: Iterable[Collective]) -> list[dict[str, Any]]:
     return [
         {
             "kind": c.kind, "name": c.name, "shape": c.shape, "bytes": c.bytes,
+            "trips": c.trips, "step_bytes": c.step_bytes,
             "replica_groups": [list(g) for g in c.replica_groups],
             "pairs": [list(p) for p in c.pairs],
             "op_name": c.op_name, "source_file": c.source_file,

@@ -265,12 +265,20 @@ def summary(report: dict[str, Any]) -> str:
     if cols:
         rows = [("kind", "bytes", "group size", "source")]
         for c in cols:
-            size = len(c["replica_groups"][0]) if c["replica_groups"] else "all"
-            rows.append((c["kind"] + (" (async)" if c["is_async"] else ""), str(c["bytes"]),
-                         str(size), c["source"]))
+            size = ("pairs" if c["kind"] == "collective-permute" else
+                    len(c["replica_groups"][0]) if c["replica_groups"] else "all")
+            trips = c.get("trips", 1)
+            runs = "" if trips == 1 else (" x ?" if trips is None else f" x {trips}")
+            rows.append((c["kind"] + (" (async)" if c["is_async"] else ""),
+                         f"{c['bytes']}{runs}", str(size), c["source"]))
         w = [max(len(r[i]) for r in rows) for i in range(4)]
         lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)).rstrip() for r in rows]
-    lines.append(f"  {len(cols)} collective(s), {sum(c['bytes'] for c in cols)} bytes per device")
+    step_bytes = sum(c.get("step_bytes", c["bytes"]) or 0 for c in cols)
+    unknown = sum(1 for c in cols if c.get("trips", 1) is None)
+    lines.append(f"  {len(cols)} collective(s), {step_bytes} bytes per device per step"
+                 + (f" ({unknown} in loops of unknown trip count left out)" if unknown else "")
+                 + ("; x N: in a loop that runs N times"
+                    if any(c.get("trips", 1) != 1 for c in cols) else ""))
     lines += ["", "memory per device:"]
     mem = report["memory_per_device"]
     if mem:

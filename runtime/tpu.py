@@ -339,6 +339,8 @@ class Roofline:
     collective_bytes: int
     ici_by_axis: dict[str, tuple[float, float]] = field(default_factory=dict)
     xla_optimal_s: float | None = None
+    #: collectives in loops whose trip count the HLO does not give (counted once each)
+    loops_unknown: int = 0
 
     @property
     def estimate_s(self) -> float:
@@ -358,7 +360,7 @@ class Roofline:
                 "collective_bytes": self.collective_bytes,
                 "ici_by_axis": {k: {"wire_bytes": b, "seconds": s}
                                 for k, (b, s) in self.ici_by_axis.items()},
-                "xla_optimal_s": self.xla_optimal_s,
+                "xla_optimal_s": self.xla_optimal_s, "loops_unknown": self.loops_unknown,
                 "formula": "estimate = max(flops/peak_flops, bytes_accessed/hbm_bandwidth, "
                            "sum(wire_bytes)/ici_bandwidth)"}
 
@@ -374,6 +376,9 @@ class Roofline:
             lines.append(f"    over {axes:18s} {_human_bytes(b):>12s} on the wire  {ms(s)}")
         if self.xla_optimal_s is not None:
             lines.append(f"  (the TPU compiler's own estimate: {ms(self.xla_optimal_s)})")
+        if self.loops_unknown:
+            lines.append(f"  ({self.loops_unknown} collective(s) in loops whose trip count the "
+                         f"compiled HLO does not give: counted once per step, a lower bound)")
         return "\n".join(lines)
 
 
@@ -390,8 +395,12 @@ def roofline(cost: dict[str, Any], collectives: Iterable[Any], chip: TpuChip,
     total_devices = int(np.prod(mesh_shape))
     by_axis: dict[str, list[float]] = {}
     coll_bytes = 0
+    unknown = 0
     for c in collectives:
-        coll_bytes += int(c.bytes)
+        runs = getattr(c, "trips", 1)
+        unknown += runs is None
+        runs = runs or 1  # (a loop's unknown trip count: once, said in the text)
+        coll_bytes += int(c.bytes) * runs
         if c.kind == "collective-permute":
             group = [d for pair in c.pairs[:1] for d in pair] if c.pairs else []
             n = 2
@@ -399,7 +408,7 @@ def roofline(cost: dict[str, Any], collectives: Iterable[Any], chip: TpuChip,
             group = list(c.replica_groups[0]) if c.replica_groups else list(range(total_devices))
             n = len(group)
         axes = mesh_axes_of_group(group, mesh_shape, axis_names) if group else "-"
-        b = wire_bytes(c.kind, int(c.bytes), n)
+        b = wire_bytes(c.kind, int(c.bytes), n) * runs
         acc = by_axis.setdefault(axes, [0.0, 0.0])
         acc[0] += b
         acc[1] += b / ici_bw
@@ -408,4 +417,5 @@ def roofline(cost: dict[str, Any], collectives: Iterable[Any], chip: TpuChip,
                     compute_s=flops / peak, hbm_s=accessed / hbm_bw,
                     ici_s=sum(v[1] for v in by_axis.values()), collective_bytes=coll_bytes,
                     ici_by_axis={k: (v[0], v[1]) for k, v in by_axis.items()},
-                    xla_optimal_s=float(opt) if opt is not None and opt > 0 else None)
+                    xla_optimal_s=float(opt) if opt is not None and opt > 0 else None,
+                    loops_unknown=unknown)

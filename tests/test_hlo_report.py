@@ -142,7 +142,8 @@ def test_summary_and_json(shard_map_hlo: str) -> None:
     base = os.path.basename(__file__)
     for line in lines[1:-1]:
         assert line[col:].startswith(base + ":")
-    assert lines[-1] == f"{len(report)} collective(s), {sum(c.bytes for c in report)} bytes per device"
+    assert lines[-1] == (f"{len(report)} collective(s), {sum(c.bytes for c in report)} "
+                         f"bytes per device per step")
     data = to_json(report)
     assert json.loads(json.dumps(data)) == data
     assert data[0].keys() >= {"kind", "bytes", "replica_groups", "pairs", "source_line"}
@@ -293,3 +294,44 @@ def test_while_bodies_hold_the_collectives_run_every_step() -> None:
     bodies = while_bodies(text)
     where = [c.computation in bodies for c in collectives(text) if c.kind == "all-reduce"]
     assert sorted(where) == [False, True], where
+
+
+
+def test_a_collective_in_a_loop_counts_once_per_iteration():
+    """A collective in a ``while`` body (a ``lax.scan`` of 10 steps) runs 10 times per call:
+    its ``trips`` is the loop's known trip count, the summary and the report's byte total
+    count it 10 times (before: once), and the roofline's collective bytes too."""
+    import runtime as rt
+
+    def step(x):
+        def body(c, _):
+            return c + rt.all_reduce(c, "sum") * 0.5, c.sum()
+        return jax.lax.scan(body, x, None, length=10)
+    compiled = rt.replicate(step, num_replicas=4).lower(
+        rt.distribute(np.ones((4, 16), np.float32), 4)).compile()
+    (c,) = compiled.collectives()
+    assert (c.kind, c.bytes, c.trips, c.step_bytes) == ("all-reduce", 64, 10, 640)
+    assert summarize([c]).splitlines()[-1].startswith("1 collective(s), 640 bytes per device")
+    from runtime.report import build_report, summary
+    text = summary(build_report(compiled._program))
+    assert "64 x 10" in text and "640 bytes per device per step" in text
+
+
+def test_roofline_counts_a_collective_per_loop_iteration():
+    """The TPU roofline counts a collective's bytes once per iteration of its loop (trip
+    count 3: three times), and one in a loop of unknown trip count once, saying so."""
+    from dataclasses import replace
+
+    from compiler.hlo_report import Collective
+    from runtime.tpu import CHIPS, roofline
+    base = Collective(kind="all-reduce", name="ar", shape="f32[16]", bytes=64,
+                      replica_groups=((0, 1, 2, 3),), pairs=(), op_name=None,
+                      source_file=None, source_line=None, computation="body")
+    chip = CHIPS["v5e"]
+    once = roofline({}, [base], chip, (4,), ("replica",))
+    thrice = roofline({}, [replace(base, trips=3)], chip, (4,), ("replica",))
+    unknown = roofline({}, [replace(base, trips=None)], chip, (4,), ("replica",))
+    assert (once.collective_bytes, thrice.collective_bytes) == (64, 192)
+    assert thrice.ici_s == pytest.approx(3 * once.ici_s)
+    assert unknown.collective_bytes == 64 and unknown.loops_unknown == 1
+    assert "trip count" in str(unknown) and "trip count" not in str(once)
