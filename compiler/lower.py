@@ -411,6 +411,9 @@ def scope_name(op: Op) -> str:
     """The name scope an op lowers under (``hlo_report.ir_scope``). XLA copies it into the
     ``op_name`` metadata of every HLO instruction made for the op (collectives the SPMD
     partitioner inserts included), which is how ``compiler.hlo_report`` maps them back."""
+    sources = op.attr("sources") if op.name == "all_reduce" else None
+    if sources:  # a bucket of gradient all-reduces: every member's line, nested scopes
+        return "/".join(ir_scope(op.name, *s.rsplit(":", 1)) for s in sources)
     key = (op.name, op.loc.file, op.loc.line)
     name = _SCOPES.get(key)
     if name is None:

@@ -1,6 +1,8 @@
 """Gradient all-reduce bucketing (cross-replica-sum pass, ``bucket_bytes``)."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,11 @@ def test_bucketing_merges_gradient_all_reduces_and_keeps_numbers(bucket_bytes, e
         if len(op.operands) > 1:
             assert op.attr("bucket") == len(op.operands)
             assert sum(int(np.prod(v.type.shape)) * 4 for v in op.operands) <= bucket_bytes
+
+    # the bucket's collective names the lines of all its members (before: the last's)
+    lines = {(o.loc.file, o.loc.line) for o in before}
+    sources = {s for c in bucketed.lower(p, batch).compile().collectives() for s in c.ir_sources}
+    assert {(os.path.basename(f), n) for f, n in lines} <= {(f, n) for _, f, n in sources}
 
     want_p, want_l = plain(p, batch)
     got_p, got_l = bucketed(p, batch)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -315,10 +316,14 @@ def merged_all_reduce(members: list[Op]) -> Op:
     """One variadic gradient all-reduce of ``members`` (same reduce kind and axes), with
     their operands and results in order, at the last member's location."""
     last = members[-1]
+    # every member's line (the merged op's location is the last one's): the collectives
+    # report names them all (``compiler.lower.scope_name``)
+    sources = tuple(dict.fromkeys(f"{os.path.basename(m.loc.file)}:{m.loc.line}"
+                                  for m in members if m.loc is not None and m.loc.line))
     return Op("all_reduce", tuple(v for m in members for v in m.operands),
               tuple(r for m in members for r in m.results),
               (("reduce", last.attr("reduce")), ("axes", last.attr("axes")),
-               ("gradient", True), ("bucket", len(members))), last.loc)
+               ("gradient", True), ("bucket", len(members)), ("sources", sources)), last.loc)
 
 
 def _candidate_ancestors(graph: Graph, bit: dict[int, int]) -> list[int]:
