@@ -165,9 +165,12 @@ def _devices_per_chip(devices: Iterable) -> int:
 
 
 def _human_bytes(n: float) -> str:
+    """``1005 KiB``, ``3.5 MiB``: three significant digits, never in exponent form."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.0f} {unit}" if abs(n) >= 100 else f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} TiB"
 

@@ -311,3 +311,10 @@ def test_inspect_target_errors(tmp_path, capsys):
     assert tool.main(base + ["--target", "tpu:v5e:2x2", "--replicas", "4",
                              "--logical-devices", "2"]) == 2
     assert "need 8 devices but tpu:v5e:2x2 has 4" in capsys.readouterr().err
+
+
+def test_byte_sizes_print_without_exponents():
+    """Sizes in reports read ``1005 KiB``, not ``1.01e+03 KiB``."""
+    from runtime.tpu import _human_bytes
+    assert [_human_bytes(n) for n in (5, 1005 * 1024, 3.5 * 2 ** 20, 150 * 2 ** 30)] == \
+        ["5 B", "1005 KiB", "3.5 MiB", "150 GiB"]
