@@ -420,25 +420,34 @@ def test_gradient_through_a_per_example_branch_under_vmap(kind):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["plain", "regularized", "used_twice"])
+@pytest.mark.parametrize("case", ["plain", "regularized", "used_twice", "shared_regularizer"])
 def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
     """A float16 weight under a 2**15 loss scale on 4 replicas: each replica's gradient
     (and the mean) is finite, the sum of four is not. The gradient all-reduce takes the
     mean (the division moved below the sum, also past a mirrored regularizer's gradient
-    added to it), so the result is ``jax.jit``'s on the global batch (before: inf)."""
+    added to it), so the result is ``jax.jit``'s on the global batch (before: inf). With
+    the loss scale on a regularizer of two weights (haiku's ImageNet example with
+    weight decay), the sum over replicas of its seed (4 x 32768) overflowed before it
+    met the weights: the mean is taken there too."""
     n = 4
 
-    def loss(w, x):
+    def loss(p, x):
+        w, v = p
         y = x * w if case != "used_twice" else x * w + 0.5 * (x * w)
-        data = jnp.mean(y) * jnp.float16(2.0 ** 15)
-        return data + (jnp.sum(w * w) * jnp.float16(1e-3) if case == "regularized" else 0)
-    w = jnp.ones((3,), jnp.float16)
+        total = jnp.mean(y) + jnp.mean(x * v)
+        if case == "regularized":
+            total = total + jnp.sum(w * w) * jnp.float16(1e-3)
+        if case == "shared_regularizer":
+            total = total + (jnp.sum(w * w) + jnp.sum(v * v)) * jnp.float16(1e-3)
+        return total * jnp.float16(2.0 ** 15)
+    p = (jnp.ones((3,), jnp.float16), jnp.full((3,), 0.5, jnp.float16))
     x = np.full((8, 3), 1.5 if case != "used_twice" else 1.0, np.float16)
-    got = rt.replicate(lambda w, x: jax.grad(loss)(w, x), num_replicas=n)(w, rt.distribute(x, n))
-    want = jax.jit(jax.grad(loss))(w, x)
-    assert np.isfinite(np.asarray(got, np.float32)).all()
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=1e-3)
+    got = rt.replicate(lambda p, x: jax.grad(loss)(p, x), num_replicas=n)(p, rt.distribute(x, n))
+    want = jax.jit(jax.grad(loss))(p, x)
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g, np.float32)).all()
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-3)
 
 
 def test_mean_of_parts_is_a_float16_mean_that_does_not_overflow():

@@ -119,6 +119,15 @@ _LINEAR_UNARY = frozenset({"convert_element_type", "reduce_sum", "reshape", "tra
                            "copy_p", "slice", "rev"})
 #: ops linear in every operand: each must be made of such all-reduces
 _LINEAR_SUMS = frozenset({"add_any", "add", "sub", "concatenate"})
+#: ops linear in one operand (``div``: its numerator), the other a factor
+_LINEAR_ONE_SIDED = frozenset({"mul", "dot_general", "div"})
+
+
+def _mean_candidate(op: Op, enclosing: bool) -> bool:
+    """A gradient all-reduce sum of one static value (``_half_means``)."""
+    return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
+            and transposed(op, enclosing)
+            and all(isinstance(d, int) for d in op.operands[0].type.shape))
 
 
 @dataclass(frozen=True)
@@ -149,50 +158,82 @@ class CrossReplicaSumPass:
                     uses: list) -> tuple[set[int], dict[int, set[int]]]:
         """Where a float16 gradient all-reduce's sum could overflow though its mean does
         not (four of 16384 under a 2**15 loss scale: inf, where ``jax.jit`` and pmap
-        code that unscales before its ``pmean`` give 16384; XLA keeps the sum in float16),
-        the division by N of a ``"mean"`` ``loss_scale`` moves below the sum: when the
-        scaled value is made by linear ops only (``_LINEAR_UNARY``, ``_LINEAR_SUMS``: a
-        division commutes with them, exactly for N a power of two) whose intermediate
-        values nothing else reads, out of gradient all-reduces (one of float16 values at
-        least) and other values. Returns the ids of those ``loss_scale`` ops (dropped) and
-        all-reduces (made ``mean``), and per op id the operand positions of the other
-        values (each divided by N before the op)."""
+        code that unscales before its ``pmean`` give 16384; XLA keeps the sum in float16;
+        also the loss seed of a regularizer every replica adds, summed over the replicas
+        before it meets the weights), the divisions by N of the ``"mean"`` ``loss_scale``
+        ops move below the sums. The values those divisions read, followed back through
+        linear ops (``_LINEAR_UNARY``, ``_LINEAR_SUMS``, the operand of
+        ``_LINEAR_ONE_SIDED`` ops that holds an all-reduce: a division commutes with
+        them, exactly for N a power of two), end in gradient all-reduces, which take the
+        mean instead, and other values, divided by N where they are read. Only when no
+        op outside reads a value on the way (its scale would change) and one all-reduce
+        of float16 values is among them. Returns the ids of those ``loss_scale`` ops
+        (dropped) and all-reduces (made ``mean``), and per op id the operand positions of
+        the other values (each divided by N before the op)."""
         if self.loss_reduction != "mean" or self.num_replicas == 1:
             return set(), {}
         scales = [op for op in graph.ops if op.name == "loss_scale" and self._power(op) == -1]
         if not scales:
             return set(), {}
         users, producers = _uses(graph, uses)
-        ids: set[int] = set()
-        leaves: dict[int, set[int]] = {}
-        for op in scales:
-            reduces: list[Op] = []
-            others: list[tuple[Op, int]] = []
+        reducing: dict[Value, bool] = {}
 
-            def linear(v: Value, reader: Op, pos: int) -> bool:
-                p = producers.get(v)
-                if p is None or len(users.get(v, ())) != 1 or len(p.results) != 1:
-                    others.append((reader, pos))  # (its value kept: a copy is divided)
-                    return jc.dtype_from_name(v.type.dtype).kind in "fc"
-                if p.name == "all_reduce" and p.attr("reduce") == "sum" \
-                        and transposed(p, enclosing) and len(p.operands) == 1 \
-                        and all(isinstance(d, int) for d in v.type.shape):
-                    reduces.append(p)
-                    return True
-                if p.name in _LINEAR_UNARY:
-                    return linear(p.operands[0], p, 0)
-                if p.name in _LINEAR_SUMS:
-                    return all(linear(u, p, i) for i, u in enumerate(p.operands))
-                others.append((reader, pos))
-                return jc.dtype_from_name(v.type.dtype).kind in "fc"
-            if linear(op.operands[0], op, 0) and reduces and any(
-                    r.operands[0].type.dtype == "float16" for r in reduces) and not any(
-                    reader is op for reader, _ in others):
-                ids.add(id(op))
-                ids.update(id(r) for r in reduces)
-                for reader, pos in others:
-                    leaves.setdefault(id(reader), set()).add(pos)
-        return ids, leaves
+        def holds_reduce(v: Value, depth: int = 0) -> bool:
+            """Is a gradient all-reduce among ``v``'s linear producers?"""
+            if v in reducing:
+                return reducing[v]
+            p = producers.get(v)
+            out = False
+            if p is not None and len(p.results) == 1 and depth < 512:
+                if _mean_candidate(p, enclosing):
+                    out = True
+                elif p.name in _LINEAR_UNARY:
+                    out = holds_reduce(p.operands[0], depth + 1)
+                elif p.name in _LINEAR_SUMS or p.name in _LINEAR_ONE_SIDED:
+                    out = any(holds_reduce(u, depth + 1) for u in p.operands)
+            reducing[v] = out
+            return out
+
+        inside: dict[Value, Op] = {}  # values on the way, by their producer
+        reduces: dict[int, Op] = {}
+        others: set[tuple[int, int]] = set()
+        readers: dict[int, Op] = {}
+        stack = [(op.operands[0], op, 0) for op in scales]
+        while stack:
+            v, reader, pos = stack.pop()
+            p = producers.get(v)
+            readers[id(reader)] = reader
+            if p is None or len(p.results) != 1 or not holds_reduce(v):
+                others.add((id(reader), pos))
+                continue
+            if v in inside:
+                continue
+            inside[v] = p
+            if _mean_candidate(p, enclosing):
+                reduces[id(p)] = p
+            elif p.name in _LINEAR_UNARY:
+                stack.append((p.operands[0], p, 0))
+            elif p.name in _LINEAR_SUMS:
+                stack.extend((u, p, i) for i, u in enumerate(p.operands))
+            else:  # one-sided: the operand with the all-reduce (a div's numerator)
+                sides = (0,) if p.name == "div" else (0, 1)
+                with_reduce = [i for i in sides if holds_reduce(p.operands[i])]
+                if len(with_reduce) != 1:
+                    return set(), {}  # (both factors hold one: not linear)
+                stack.append((p.operands[with_reduce[0]], p, with_reduce[0]))
+        scale_ids = {id(op) for op in scales}
+        readers_inside = {id(p) for p in inside.values()} | scale_ids
+        for v in inside:  # nothing outside may read a value whose scale changes
+            if any(id(u) not in readers_inside for u in users.get(v, ())):
+                return set(), {}
+        if not any(r.operands[0].type.dtype == "float16" for r in reduces.values()) or any(
+                jc.dtype_from_name(readers[r].operands[i].type.dtype).kind not in "fc"
+                for r, i in others):
+            return set(), {}
+        leaves: dict[int, set[int]] = {}
+        for r, i in others:
+            leaves.setdefault(r, set()).add(i)
+        return scale_ids | set(reduces), leaves
 
     def _rewrite(self, graph: Graph, enclosing: bool, memo: RegionMemo) -> Graph:
         """``graph`` (a region: inside a transposed op when ``enclosing``) rewritten; a
