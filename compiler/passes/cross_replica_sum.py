@@ -123,6 +123,26 @@ _LINEAR_SUMS = frozenset({"add_any", "add", "sub", "concatenate"})
 _LINEAR_ONE_SIDED = frozenset({"mul", "dot_general", "div"})
 
 
+def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
+                  memo: dict[Value, bool], depth: int = 0) -> bool:
+    """Is a gradient all-reduce (``_mean_candidate``) among ``v``'s linear producers?
+    (A module function: a closure calling itself would be a reference cycle.)"""
+    if v in memo:
+        return memo[v]
+    p = producers.get(v)
+    out = False
+    if p is not None and len(p.results) == 1 and depth < 512:
+        if _mean_candidate(p, enclosing):
+            out = True
+        elif p.name in _LINEAR_UNARY:
+            out = _holds_reduce(p.operands[0], producers, enclosing, memo, depth + 1)
+        elif p.name in _LINEAR_SUMS or p.name in _LINEAR_ONE_SIDED:
+            out = any(_holds_reduce(u, producers, enclosing, memo, depth + 1)
+                      for u in p.operands)
+    memo[v] = out
+    return out
+
+
 def _mean_candidate(op: Op, enclosing: bool) -> bool:
     """A gradient all-reduce sum of one static value (``_half_means``)."""
     return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
@@ -177,22 +197,8 @@ class CrossReplicaSumPass:
             return set(), {}
         users, producers = _uses(graph, uses)
         reducing: dict[Value, bool] = {}
-
-        def holds_reduce(v: Value, depth: int = 0) -> bool:
-            """Is a gradient all-reduce among ``v``'s linear producers?"""
-            if v in reducing:
-                return reducing[v]
-            p = producers.get(v)
-            out = False
-            if p is not None and len(p.results) == 1 and depth < 512:
-                if _mean_candidate(p, enclosing):
-                    out = True
-                elif p.name in _LINEAR_UNARY:
-                    out = holds_reduce(p.operands[0], depth + 1)
-                elif p.name in _LINEAR_SUMS or p.name in _LINEAR_ONE_SIDED:
-                    out = any(holds_reduce(u, depth + 1) for u in p.operands)
-            reducing[v] = out
-            return out
+        holds_reduce = functools.partial(_holds_reduce, producers=producers,
+                                         enclosing=enclosing, memo=reducing)
 
         inside: dict[Value, Op] = {}  # values on the way, by their producer
         reduces: dict[int, Op] = {}
