@@ -38,7 +38,7 @@ import heapq
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -144,10 +144,47 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
 
 
 def _mean_candidate(op: Op, enclosing: bool) -> bool:
-    """A gradient all-reduce sum of one static value (``_half_means``)."""
+    """A gradient all-reduce sum of one static float value (``_half_means``)."""
     return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
             and transposed(op, enclosing)
+            and jc.dtype_from_name(op.operands[0].type.dtype).kind == "f"
             and all(isinstance(d, int) for d in op.operands[0].type.shape))
+
+
+def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Value], bool],
+             enclosing: bool) -> tuple | None:
+    """The values a ``loss_scale``'s division can move below (``_half_means``): ``(values
+    on the way by producer, all-reduces by id, {(reader id, operand position)} of the
+    other values, readers by id)``, or ``None`` where a product has an all-reduce in both
+    factors (not linear)."""
+    inside: dict[Value, Op] = {}
+    reduces: dict[int, Op] = {}
+    others: set[tuple[int, int]] = set()
+    readers: dict[int, Op] = {}
+    stack = [(scale.operands[0], scale, 0)]
+    while stack:
+        v, reader, pos = stack.pop()
+        p = producers.get(v)
+        readers[id(reader)] = reader
+        if p is None or len(p.results) != 1 or not holds_reduce(v):
+            others.add((id(reader), pos))
+            continue
+        if v in inside:
+            continue
+        inside[v] = p
+        if _mean_candidate(p, enclosing):
+            reduces[id(p)] = p
+        elif p.name in _LINEAR_UNARY:
+            stack.append((p.operands[0], p, 0))
+        elif p.name in _LINEAR_SUMS:
+            stack.extend((u, p, i) for i, u in enumerate(p.operands))
+        else:  # one-sided: the operand with the all-reduce (a div's numerator)
+            sides = (0,) if p.name == "div" else (0, 1)
+            with_reduce = [i for i in sides if holds_reduce(p.operands[i])]
+            if len(with_reduce) != 1:
+                return None
+            stack.append((p.operands[with_reduce[0]], p, with_reduce[0]))
+    return inside, reduces, others, readers
 
 
 @dataclass(frozen=True)
@@ -200,46 +237,45 @@ class CrossReplicaSumPass:
         holds_reduce = functools.partial(_holds_reduce, producers=producers,
                                          enclosing=enclosing, memo=reducing)
 
-        inside: dict[Value, Op] = {}  # values on the way, by their producer
-        reduces: dict[int, Op] = {}
-        others: set[tuple[int, int]] = set()
-        readers: dict[int, Op] = {}
-        stack = [(op.operands[0], op, 0) for op in scales]
-        while stack:
-            v, reader, pos = stack.pop()
-            p = producers.get(v)
-            readers[id(reader)] = reader
-            if p is None or len(p.results) != 1 or not holds_reduce(v):
-                others.add((id(reader), pos))
-                continue
-            if v in inside:
-                continue
-            inside[v] = p
-            if _mean_candidate(p, enclosing):
-                reduces[id(p)] = p
-            elif p.name in _LINEAR_UNARY:
-                stack.append((p.operands[0], p, 0))
-            elif p.name in _LINEAR_SUMS:
-                stack.extend((u, p, i) for i, u in enumerate(p.operands))
-            else:  # one-sided: the operand with the all-reduce (a div's numerator)
-                sides = (0,) if p.name == "div" else (0, 1)
-                with_reduce = [i for i in sides if holds_reduce(p.operands[i])]
-                if len(with_reduce) != 1:
-                    return set(), {}  # (both factors hold one: not linear)
-                stack.append((p.operands[with_reduce[0]], p, with_reduce[0]))
-        scale_ids = {id(op) for op in scales}
-        readers_inside = {id(p) for p in inside.values()} | scale_ids
-        for v in inside:  # nothing outside may read a value whose scale changes
-            if any(id(u) not in readers_inside for u in users.get(v, ())):
-                return set(), {}
-        if not any(r.operands[0].type.dtype == "float16" for r in reduces.values()) or any(
-                jc.dtype_from_name(readers[r].operands[i].type.dtype).kind not in "fc"
-                for r, i in others):
-            return set(), {}
+        # each loss_scale's values on the way; scales that share one form a group, and a
+        # group moves its divisions only as a whole (or not at all)
+        closures = [_closure(op, producers, holds_reduce, enclosing) for op in scales]
+        group = list(range(len(scales)))
+
+        def root(i: int) -> int:
+            while group[i] != i:
+                group[i] = group[group[i]]
+                i = group[i]
+            return i
+        first: dict[Value, int] = {}
+        for i, c in enumerate(closures):
+            for v in c[0]:
+                j = first.setdefault(v, i)
+                group[root(i)] = root(j)
+        ids: set[int] = set()
         leaves: dict[int, set[int]] = {}
-        for r, i in others:
-            leaves.setdefault(r, set()).add(i)
-        return scale_ids | set(reduces), leaves
+        for g in {root(i) for i in range(len(scales))}:
+            members = [i for i in range(len(scales)) if root(i) == g]
+            if any(closures[i] is None for i in members):
+                continue  # (a product of two all-reduced values: not linear)
+            inside = {v: p for i in members for v, p in closures[i][0].items()}
+            reduces = {k: r for i in members for k, r in closures[i][1].items()}
+            others = {o for i in members for o in closures[i][2]}
+            readers = {k: r for i in members for k, r in closures[i][3].items()}
+            scale_ids = {id(scales[i]) for i in members}
+            inner = {id(p) for p in inside.values()} | scale_ids
+            if any(id(u) not in inner for v in inside for u in users.get(v, ())):
+                continue  # something outside reads a value whose scale would change
+            # (float16 on the way: a sum in float32 that a cast to float16 reads overflows
+            # there, the seed of a float16 regularizer summed over the replicas)
+            if not reduces or not any(v.type.dtype == "float16" for v in inside) or any(
+                    jc.dtype_from_name(readers[r].operands[i].type.dtype).kind not in "fc"
+                    for r, i in others):
+                continue
+            ids |= scale_ids | set(reduces)
+            for r, i in others:
+                leaves.setdefault(r, set()).add(i)
+        return ids, leaves
 
     def _rewrite(self, graph: Graph, enclosing: bool, memo: RegionMemo) -> Graph:
         """``graph`` (a region: inside a transposed op when ``enclosing``) rewritten; a
