@@ -1549,3 +1549,14 @@ def test_custom_vjp_gradient_clip_of_a_mirrored_weight_is_per_replica():
     out = rt.replicate(lambda w: clip_grad(w) * 2, num_replicas=8, axis_name=AX)(w)
     assert not isinstance(out, rt.PerReplica)
     np.testing.assert_array_equal(np.asarray(out), w * 2)
+
+
+def test_pmean_of_an_identical_bool_or_int_does_not_warn():
+    """Not in the source: ``lax.pmean`` of a mirrored bool or int (haiku's imagenet step
+    averages ``grads_finite``) sums in an integer type and divides after a cast: it is a
+    mean, which leaves an identical value as it is, so no "already identical" warning
+    (before: it warned that a sum multiplies it by N). Numbers as pmap's."""
+    x = _arange((8, 4))
+    with _no_identical_sum_warning():
+        same_as_pmap(lambda x: lax.pmean({"finite": jnp.all(jnp.isfinite(lax.psum(x, AX))),
+                                          "count": jnp.int32(3)}, AX), x)

@@ -82,10 +82,17 @@ def _scale_ops(x: Value, result: Value, power: int, n: int, loc: Loc | None) -> 
             Op(prim.name, (x, c), (result,), params, loc, impl=prim)]
 
 
-def _is_pmean(result: Value, users: list[Op], producers: dict[Value, Op], n: int) -> bool:
+def _is_pmean(result: Value, all_users: dict[Value, list[Op]], producers: dict[Value, Op],
+              n: int) -> bool:
     """Is every reader of an all-reduce's result a division by the replica count (a
-    ``pmean``, which leaves an identical value unchanged)?"""
+    ``pmean``, which leaves an identical value unchanged), possibly after a cast (the
+    ``pmean`` of a bool or an integer sums in an integer type, then divides as a float)?"""
+    users = all_users.get(result, [])
     for u in users:
+        if u.name == "convert_element_type" and u.operands[0] is result:
+            if not _is_pmean(u.results[0], all_users, producers, n):
+                return False
+            continue
         if u.name != "div" or u.operands[0] is not result:
             return False
         c = producers.get(u.operands[1])
@@ -334,8 +341,7 @@ class CrossReplicaSumPass:
         ``pmean``)? ``uses`` caches the graph's users and producers (built on first need:
         most graphs never ask)."""
         users, producers = _uses(graph, uses)
-        return all(_is_pmean(r, users.get(r, []), producers, self.num_replicas)
-                   for r in op.results)
+        return all(_is_pmean(r, users, producers, self.num_replicas) for r in op.results)
 
     def _of_constants(self, op: Op, graph: Graph, uses: list) -> bool:
         """Are all of ``op``'s operands constants? ``lax.psum(1, axis)`` is pmap code's
