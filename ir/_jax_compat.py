@@ -1165,12 +1165,15 @@ def _selected(branches: Sequence[Any], index: Any, operands: tuple) -> Any:
                 jnp_shape_dtype(a) != jnp_shape_dtype(b) for a, b in zip(leaves, flat[0][0]))
             for leaves, _ in flat):
         return None
-    index = index.astype(np.int32)
-    leaves = []
-    for cases in zip(*(leaves for leaves, _ in flat)):
-        axes = frozenset().union(*(varying_axes(jax.typeof(c)) for c in (index, *cases)))
-        leaves.append(jax.lax.select_n(to_varying(index, axes),
-                                       *(to_varying(c, axes) for c in cases)))
+    try:
+        index = index.astype(np.int32)
+        leaves = []
+        for cases in zip(*(leaves for leaves, _ in flat)):
+            axes = frozenset().union(*(varying_axes(jax.typeof(c)) for c in (index, *cases)))
+            leaves.append(jax.lax.select_n(to_varying(index, axes),
+                                           *(to_varying(c, axes) for c in cases)))
+    except (TypeError, ValueError):  # (results select_n cannot take: JAX's own cond then)
+        return None
     return jax.tree.unflatten(flat[0][1], leaves)
 
 
