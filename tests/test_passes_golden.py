@@ -247,3 +247,31 @@ def test_hoist_returns_a_graph_without_nested_collectives_unchanged():
     out = PassManager(parse_pipeline("hoist-collectives", num_replicas=4), verify=True,
                       dump_dir="").run(graph)
     assert not nested_collectives(out) and any(op.name == "all_reduce" for op in out.ops)
+
+
+F16_MEANS = """func @step(%0: f16[3] varying, %1: f16[3] varying, %2: f16[3] mirrored) {
+  %3: f16[3] mirrored = all_reduce(%0) {reduce='sum', axes=('replica',)}  # m.py:1 [transpose(jvp())]
+  %4: f16[3] mirrored = all_reduce(%1) {reduce='sum', axes=('replica',)}  # m.py:2 [transpose(jvp())]
+  %5: f16[3] mirrored = add_any(%3, %2)  # m.py:3 [transpose(jvp())]
+  %6: f16[3] mirrored = loss_scale(%5) {replicas=0, reduction=1}  # m.py:4
+  %7: f16[3] mirrored = mul(%3, %4)  # m.py:5 [transpose(jvp())]
+  %8: f16[3] mirrored = loss_scale(%7) {replicas=0, reduction=1}  # m.py:6
+  %9: f16[3] mirrored = all_reduce(%1) {reduce='sum', axes=('replica',)}  # m.py:7 [transpose(jvp())]
+  %10: f16[3] mirrored = mul(%9, %2)  # m.py:8 [transpose(jvp())]
+  %11: f16[3] mirrored = loss_scale(%10) {replicas=0, reduction=1}  # m.py:9
+  return %6, %8, %11
+}"""
+
+
+def test_crs_float16_means_move_below_linear_sums_only():
+    """``loss_reduction="mean"`` with float16 gradients: a division reading an all-reduce
+    through linear ops (%9 times a mirrored value) moves below it (the all-reduce takes
+    the mean, no division after); a product of two all-reduces (%7 = %3 * %4: not linear)
+    and everything that shares a value with it (%3 also feeds %5) are left as sums with
+    their divisions (before the analysis skipped such a group it raised a TypeError)."""
+    g = PassManager(parse_pipeline("cross-replica-sum", loss_reduction="mean", num_replicas=4),
+                    dump_dir="").run(parse(F16_MEANS))
+    reduces = {op.loc.line: op.attr("reduce") for op in g.ops if op.name == "all_reduce"}
+    assert reduces == {1: "sum", 2: "sum", 7: "mean"}, reduces
+    divided = sorted(op.loc.line for op in g.ops if op.name == "div")
+    assert divided == [4, 6], divided  # (the linear group's division went into %9)

@@ -229,9 +229,9 @@ class CrossReplicaSumPass:
         linear ops (``_LINEAR_UNARY``, ``_LINEAR_SUMS``, the operand of
         ``_LINEAR_ONE_SIDED`` ops that holds an all-reduce: a division commutes with
         them, exactly for N a power of two), end in gradient all-reduces, which take the
-        mean instead, and other values, divided by N where they are read. Only when no
-        op outside reads a value on the way (its scale would change) and one all-reduce
-        of float16 values is among them. Returns the ids of those ``loss_scale`` ops
+        mean instead, and other values, divided by N where they are read. Scales that
+        share values move together; only when no op outside reads a value on the way
+        (its scale would change) and a float16 value is among them. Returns the ids of those ``loss_scale`` ops
         (dropped) and all-reduces (made ``mean``), and per op id the operand positions of
         the other values (each divided by N before the op)."""
         if self.loss_reduction != "mean" or self.num_replicas == 1:
@@ -256,7 +256,7 @@ class CrossReplicaSumPass:
             return i
         first: dict[Value, int] = {}
         for i, c in enumerate(closures):
-            for v in c[0]:
+            for v in (c[0] if c is not None else ()):  # (None: its own group, skipped)
                 j = first.setdefault(v, i)
                 group[root(i)] = root(j)
         ids: set[int] = set()
