@@ -299,7 +299,10 @@ def check_arguments_unchanged(args: tuple, snapshot: tuple | None, out: Any,
     if snapshot is None:
         return
     before, before_td = snapshot
-    leaves, td = jax.tree_util.tree_flatten(args)
+    try:
+        leaves, td = jax.tree_util.tree_flatten(args)
+    except Exception:  # noqa: BLE001 - an argument that refuses to be read once used
+        return  # (equinox's nn.State after state.set: "Attempted to use old state")
     returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
     if td == before_td:
         from ir import _jax_compat as jc
