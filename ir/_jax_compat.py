@@ -1162,7 +1162,7 @@ def _selected(branches: Sequence[Any], index: Any, operands: tuple) -> Any:
     flat = [jax.tree.flatten(o) for o in outs]
     if any(td != flat[0][1] for _, td in flat) or any(
             len(leaves) != len(flat[0][0]) or any(
-                jnp_shape_dtype(a) != jnp_shape_dtype(b) for a, b in zip(leaves, flat[0][0]))
+                _shape_dtype(a) != _shape_dtype(b) for a, b in zip(leaves, flat[0][0]))
             for leaves, _ in flat):
         return None
     try:
@@ -1177,7 +1177,7 @@ def _selected(branches: Sequence[Any], index: Any, operands: tuple) -> Any:
     return jax.tree.unflatten(flat[0][1], leaves)
 
 
-def jnp_shape_dtype(x: Any) -> tuple:
+def _shape_dtype(x: Any) -> tuple:
     aval = jax.typeof(x)
     return aval.shape, aval.dtype
 
@@ -1572,9 +1572,7 @@ def _varying_outputs(fwd: Any) -> Any:
             out, *residuals = fwd(*args, **kwargs)
         finally:
             _IN_GRADIENT_FWD.reset(token)
-        axes = _mesh_axis_names()
-        out = jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, out)
-        return (out, *residuals)
+        return (_inexact_varying(out), *residuals)
     return wrapped
 
 
@@ -1613,12 +1611,16 @@ def _varying_answer(fun: Any) -> Any:
             ans, rule = fun(*args, **kwargs)
         finally:
             _IN_GRADIENT_FWD.reset(token)
-        if in_fwd:
-            axes = _mesh_axis_names()
-            ans = jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, ans)
-        return ans, rule
+        return (_inexact_varying(ans) if in_fwd else ans), rule
     wrapped._replicate_hlo = True
     return wrapped
+
+
+def _inexact_varying(tree: Any) -> Any:
+    """``tree`` with its inexact leaves typed varying over every manual mesh axis
+    (values unchanged)."""
+    axes = _mesh_axis_names()
+    return jax.tree.map(lambda x: to_varying(x, axes) if _is_inexact(x) else x, tree)
 
 
 def _is_inexact(x: Any) -> bool:

@@ -21,9 +21,9 @@ Contract:
   instead of silently computing ``"sum"``). Gradient all-reduces stay sums (so buckets
   merge them all); a ``"mean"`` shows as the division by N that follows;
 - every all-reduce made by transposition (the backward pass) gets ``gradient=True``;
-  one of float16 values that only a ``"mean"`` division reads (through casts and sums
-  of such all-reduces) becomes an all-reduce ``mean`` instead, the division dropped: the
-  sum could overflow where the mean does not (``_half_means``);
+  where float16 values are on the way from such all-reduces to a ``"mean"`` division
+  through linear ops only, the division moves below them and they become all-reduces
+  ``mean``: their sum could overflow where the mean does not (``_half_means``);
 - a user ``all_reduce(sum)`` of a value already identical on every replica gives a warning
   naming the source line (a sum multiplies it by N); a ``pmean`` does not, nor does a sum
   of constants (``lax.psum(1, axis)``: pmap code's count of the replicas), nor does any
@@ -231,11 +231,12 @@ class CrossReplicaSumPass:
         them, exactly for N a power of two), end in gradient all-reduces, which take the
         mean instead, and other values, divided by N where they are read. Scales that
         share values move together; only when no op outside reads a value on the way
-        (its scale would change) and a float16 value is among them. Returns the ids of those ``loss_scale`` ops
-        (dropped) and all-reduces (made ``mean``), and per op id the operand positions of
-        the other values (each divided by N before the op)."""
-        if self.loss_reduction != "mean" or self.num_replicas == 1:
-            return set(), {}
+        (its scale would change) and a float16 value is among them. Returns the ids of
+        those ``loss_scale`` ops (dropped) and all-reduces (made ``mean``), and per op id
+        the operand positions of the other values (each divided by N before the op)."""
+        if self.loss_reduction != "mean" or self.num_replicas == 1 or not any(
+                r.type.dtype == "float16" for op in graph.ops for r in op.results):
+            return set(), {}  # (no float16 value: no group qualifies; the common case)
         scales = [op for op in graph.ops if op.name == "loss_scale" and self._power(op) == -1]
         if not scales:
             return set(), {}
