@@ -38,6 +38,8 @@ Jaxpr = _core.Jaxpr
 Primitive = _core.Primitive
 ShapedArray = _core.ShapedArray
 DropVar = _core.DropVar
+#: the dtype of the tangent of an integer input (``jax.grad(..., allow_int=True)``)
+FLOAT0 = _dtypes.float0
 
 # -- jaxprs as primitive parameters ----------------------------------------------------
 # jax 0.11 merged ClosedJaxpr into Jaxpr: every jaxpr may carry consts, and the type no
@@ -649,6 +651,8 @@ def dtype_from_name(name: str) -> Any:
     """The dtype object for a dtype name as the IR stores it (``float32``, ``key<fry>``)."""
     if name.startswith("key<") and name.endswith(">"):
         return _key_dtype(name[4:-1])
+    if name == "float0":
+        return FLOAT0
     import ml_dtypes  # noqa: F401  (registers bfloat16 & friends with numpy)
     try:
         return np.dtype(name)

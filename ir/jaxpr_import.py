@@ -67,7 +67,13 @@ def type_of_aval(aval: Any, replica: Replica | None = None) -> TensorType:
 @functools.lru_cache(maxsize=4096)
 def _static_type(shape: tuple[int, ...], dtype: Any, weak: bool,
                  replica: Replica | None) -> TensorType:
-    return TensorType(shape, str(dtype), replica, None, weak)
+    return TensorType(shape, dtype_name(dtype), replica, None, weak)
+
+
+def dtype_name(dtype: Any) -> str:
+    """The IR's name of a JAX dtype: NumPy's, except ``float0`` (the tangent type of an
+    integer input, ``jax.grad(..., allow_int=True)``), which NumPy spells as a struct."""
+    return "float0" if dtype == jc.FLOAT0 else str(dtype)
 
 
 def _type(shape: tuple, dtype: Any, weak: bool, replica: Replica | None) -> TensorType:
@@ -78,7 +84,7 @@ def _type(shape: tuple, dtype: Any, weak: bool, replica: Replica | None) -> Tens
         else:  # a symbolic dimension from jax.export.symbolic_shape
             name = sym_dim_name(str(d))
             dims.append(SymDim(name, expr=None if name == str(d) else str(d)))
-    return TensorType(tuple(dims), str(dtype), replica, None, weak)
+    return TensorType(tuple(dims), dtype_name(dtype), replica, None, weak)
 
 
 class _Importer:

@@ -465,3 +465,23 @@ def test_mean_of_parts_is_a_float16_mean_that_does_not_overflow():
                                                 in_specs=P("r"), out_specs=P("r")))(x))
     np.testing.assert_array_equal(run(_mean_of_parts), x)
     assert np.isinf(run(lambda xs, a: (lax.pmean(xs[0], a),))).all()
+
+
+def test_gradient_with_allow_int_gives_float0_like_jax_jit():
+    """``jax.grad(..., allow_int=True)`` with respect to an integer input: its gradient is
+    ``float0`` zeros, mirrored, and the float gradient beside it is reduced as usual
+    (oracle: ``jax.jit`` on the global batch). Before, the float0 dtype was unknown to
+    the IR (an ``IRTypeError``)."""
+    n = 2
+
+    def step(w, k, x):
+        def loss(w, k):
+            return jnp.mean((x @ w) ** 2) * k
+        gw, gk = jax.grad(loss, argnums=(0, 1), allow_int=True)(w, k)
+        return w - 0.1 * gw, gk
+    w, k = jnp.ones((4, 2)), jnp.int32(3)
+    x = np.arange(32, dtype=np.float32).reshape(8, 4) / 10
+    (got_w, got_k), (want_w, want_k) = (rt.replicate(step, num_replicas=n)(w, k, rt.distribute(x, n)),
+                                        jax.jit(step)(w, k, x))
+    np.testing.assert_allclose(np.asarray(got_w), np.asarray(want_w), rtol=1e-5)
+    assert got_k.dtype == want_k.dtype == jax.dtypes.float0 and got_k.shape == want_k.shape
