@@ -1652,10 +1652,83 @@ def _install_per_replica_cotangents(cd: Any, state: Any) -> None:
         per_replica = object.__new__(type(self))  # (copy.copy needs __new__'s arguments)
         per_replica.__dict__.update(self.__dict__)
         per_replica.fwd = _varying_outputs(self.fwd)  # (``fun`` alone: JAX's types)
-        return orig(per_replica, *args, **kwargs)
+        token = _FWD_CAST.set(True)
+        try:
+            return orig(per_replica, *args, **kwargs)
+        finally:
+            _FWD_CAST.reset(token)
 
     __call__._replicate_hlo = True
     cd.custom_vjp.__call__ = __call__
+    _install_fwd_type_check(cd)
+
+
+# When ``fun`` was traced before ``fwd`` runs (under ``jax.checkpoint``, whose body is
+# staged before it is differentiated), two things see ``fun``'s invariant types where
+# ``fwd``'s outputs are now varying, and ``jax.jit`` runs what they refuse:
+# - JAX checks that ``fwd``'s primal outputs have ``fun``'s types ("Custom VJP fwd rule
+#   ... must produce a pair"). While the cast applies (``_FWD_CAST``), the check is given
+#   ``fun``'s types cast the same way (inexact ones varying over every mesh axis): it
+#   still catches a ``fwd`` whose outputs differ from ``fun``'s in shape or dtype.
+# - the staged body casts ``fun``'s output to varying where it meets per-replica values
+#   (``pvary``), and that cast, rebound on the now varying output while the body is
+#   differentiated, is refused ("pvary is a invariant->variant collective"). A cast to
+#   varying over axes a value varies over already is the identity, and so is its
+#   transpose: the output's cotangent stays each replica's own, exactly as when ``fun``
+#   is not staged first and no cast is traced at all. While a replica is traced, such a
+#   rebind drops those axes.
+_FWD_CAST: contextvars.ContextVar[bool] = contextvars.ContextVar("fwd_cast", default=False)
+
+
+def _install_fwd_type_check(cd: Any) -> None:
+    orig = cd._flatten_fwd
+    if getattr(orig, "_replicate_hlo", False):
+        return
+    _install_idempotent_pvary()
+
+    def patched(fwd, *params):
+        if not _FWD_CAST.get():
+            return orig(fwd, *params)
+        *rest, maybe_out_type = params
+        axes = _mesh_axis_names()
+
+        def cast_type():
+            tree, avals, *more = maybe_out_type()
+            avals = [_varying_aval(a, axes) if _is_inexact(a) else a for a in avals]
+            return (tree, avals, *more)
+        return orig(fwd, *rest, cast_type)
+
+    patched._replicate_hlo = True
+    cd._flatten_fwd = patched
+
+
+def _install_idempotent_pvary() -> None:
+    """While a replica is traced, ``pvary`` over axes its operand varies over already
+    casts over the others only (the identity when none is left): see the comment above."""
+    from jax._src import core as jcore
+    prim, state = jcore.pvary_p, _grad_mode_state()
+    if getattr(prim.bind, "_replicate_hlo", False):
+        return
+
+    def bind(x, *, _orig=prim.bind, axes, **params):
+        if state.value != "off" and isinstance(axes, tuple):
+            have = varying_axes(jax.typeof(x))
+            if have.intersection(axes):
+                axes = tuple(a for a in axes if a not in have)
+                if not axes:
+                    return x
+        return _orig(x, axes=axes, **params)
+    bind._replicate_hlo = True
+    prim.bind = bind
+
+
+def _varying_aval(aval: Any, axes: frozenset) -> Any:
+    """``aval`` varying over ``axes`` too (its type after :func:`to_varying`)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is None:
+        return aval
+    return aval.update(manual_axis_type=type(mat)(
+        varying=frozenset(mat.varying) | axes, unreduced=mat.unreduced, reduced=mat.reduced))
 
 
 # Collectives over a ``vmap`` axis inside ``shard_map(check_vma=True)`` (the trace of every
