@@ -182,7 +182,10 @@ class Replicated:
     # -- static arguments and keyword arguments ------------------------------------------
     def _split_call(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
         """The dynamic arguments (the keyword ones as a dict after the positional ones) and
-        the statics: the key entries that say how to call ``fn`` (see ``_callable``)."""
+        the statics: the key entries that say how to call ``fn`` (see ``_callable``). A
+        static value's entry holds its type too: ``1``, ``1.0`` and ``True`` are equal
+        and hash alike, but a step may take a different path for each (``jax.jit``
+        keys them apart too), so they must not share a program."""
         dyn = list(args)
         statics: list[tuple] = []
         names = self._param_names()
@@ -197,11 +200,13 @@ class Replicated:
                     continue  # passed by keyword: handled below
                 raise TypeError(f"{self.__name__}: static argument {i} is not given (the step was "
                                 f"called with {len(args)} positional arguments)")
-            statics.append(("pos", i, _validate.hashable_static(args[i], f"argument {i}")))
+            v = _validate.hashable_static(args[i], f"argument {i}")
+            statics.append(("pos", i, v, type(v)))
             del dyn[i]
         static_names = set(self._static_argnames) | {names[i] for i in argnums if i < len(names)}
         for name in sorted(static_names & set(kw)):
-            statics.append(("kw", name, _validate.hashable_static(kw.pop(name), f"argument {name!r}")))
+            v = _validate.hashable_static(kw.pop(name), f"argument {name!r}")
+            statics.append(("kw", name, v, type(v)))
         if kw:
             statics.append(("kwargs", tuple(sorted(kw))))
             dyn.append({k: kw[k] for k in sorted(kw)})

@@ -387,6 +387,31 @@ def test_compiled_checks_its_static_arguments():
     np.testing.assert_array_equal(compiled(w, x, k=3).values[0], [12.0])
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("by", ["argnums", "argnames"])
+def test_equal_static_arguments_of_different_types_get_their_own_programs(by, dynamic):
+    """``1``, ``1.0`` and ``True`` are equal and hash alike, but a step may branch on
+    their type: each gets its own program, as under ``jax.jit`` (oracle: the step run
+    eagerly). Before, the second and third call ran the first one's program (3.0 where
+    the step gives 0.5 and 101.0); a ``Compiled`` step traced with ``1`` refuses ``1.0``."""
+    def step(x, k):
+        if isinstance(k, bool):
+            return x + 100.0
+        return x * 0.5 if isinstance(k, float) else x * 3.0
+    opts = rt.RunOptions(dynamic_shapes=dynamic)
+    kw = {"static_argnums": (1,)} if by == "argnums" else {"static_argnames": ("k",)}
+    rep = rt.replicate(step, num_replicas=2, options=opts, **kw)
+    x = np.ones((2, 1), np.float32)
+    call = (lambda f, k: f(rt.distribute(x, 2), k)) if by == "argnums" else \
+        (lambda f, k: f(rt.distribute(x, 2), k=k))
+    for k in (1, 1.0, True):
+        np.testing.assert_array_equal(call(rep, k).values[0], step(x[:1], k))
+    compiled = (rep.lower(rt.distribute(x, 2), 1) if by == "argnums" else
+                rep.lower(rt.distribute(x, 2), k=1)).compile()
+    with pytest.raises(TypeError, match="static arguments"):
+        call(compiled, 1.0)
+
+
 def test_compiled_dynamic_shapes_step_runs_calls_of_its_buckets():
     """``lower(...).compile()`` of a dynamic-shapes step runs any call whose sizes fall in
     the buckets it was compiled for, uneven replicas included, with the numbers of the
