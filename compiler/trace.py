@@ -184,6 +184,7 @@ def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[Leaf
     jc.install_custom_vjp_sum()
     jc.install_vmap_axis_collectives()
     jc.install_layout_hook()
+    jc.install_varying_sources()
 
     def trace():
         layouts = jc.LAYOUT_HOOK.set(_replica_layout)

@@ -559,6 +559,32 @@ def install_layout_hook() -> None:
         prim.bind = bind
 
 
+# Ops whose results differ between replicas even when their operands do not: a host
+# callback with effects (``io_callback``: each replica's call may return its own value,
+# as under ``jax.pmap``) and XLA's stateful RNG (``lax.rng_uniform``). JAX's varying
+# types call such a result invariant when its operands are, so it came back as one
+# array holding one replica's value, and a gradient through it (``w * io_callback()``)
+# skipped the sum over the replicas. While a replica is traced, their results are cast
+# to varying (values unchanged), so every later type and gradient sees per-replica values.
+def install_varying_sources() -> None:
+    """Install the casts described above (idempotent)."""
+    from jax._src import callback
+    from jax._src.lax import lax as jlax
+    state = _grad_mode_state()
+    for prim in (callback.io_callback_p, jlax.rng_uniform_p):
+        if getattr(prim.bind, "_replicate_hlo", False):
+            continue
+
+        def bind(*args, _orig=prim.bind, _multiple=prim.multiple_results, **params):
+            out = _orig(*args, **params)
+            axes = _mesh_axis_names() if state.value != "off" else frozenset()
+            if not axes:
+                return out
+            return [to_varying(o, axes) for o in out] if _multiple else to_varying(out, axes)
+        bind._replicate_hlo = True
+        prim.bind = bind
+
+
 def eager_constant_folding(on: bool):
     """Context manager: JAX's constant folding of ops whose operands are all constants,
     during staging (off by default)."""

@@ -513,3 +513,37 @@ def test_custom_vjp_of_a_mirrored_weight_under_checkpoint(name, policy):
     assert not isinstance(got, rt.PerReplica)
     want = jax.grad(lambda w: sum(loss(w, xr) for xr in np.split(x, n)))(w) / n
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def test_io_callback_and_stateful_rng_of_mirrored_operands_are_per_replica():
+    """An ``io_callback`` runs once per replica and may answer each its own value (a host
+    data source), and ``lax.rng_uniform`` draws per device, even when their operands are
+    mirrored: their results are per replica, and the gradient of a mirrored weight
+    through them is the mean over the replicas (oracle: pmap with ``pmean``, the host
+    values recorded). Before, JAX's invariant typing made the loss one array holding one
+    replica's value and the gradient that replica's own, unreduced (1.0 where it is 2.5)."""
+    import itertools
+    import threading
+    from jax.experimental import io_callback
+    n, lock, counter, seen = 4, threading.Lock(), itertools.count(1), []
+
+    def host_value():
+        with lock:
+            seen.append(np.float32(next(counter)))
+            return seen[-1]
+
+    def step(w):
+        def loss(w):
+            return jnp.sum(w) * io_callback(host_value, jax.ShapeDtypeStruct((), jnp.float32))
+        return jax.value_and_grad(loss)(w)
+    loss, grad = rt.replicate(step, num_replicas=n)(np.ones(2, np.float32))
+    jax.effects_barrier()
+    assert sorted(seen) == [1.0, 2.0, 3.0, 4.0]
+    assert isinstance(loss, rt.PerReplica)
+    assert sorted(float(v) for v in loss.values) == [2.0, 4.0, 6.0, 8.0]
+    np.testing.assert_allclose(np.asarray(grad), [np.mean(seen)] * 2)
+    draws = rt.replicate(lambda w: w + lax.rng_uniform(0.0, 1.0, (3,)), num_replicas=n)(
+        np.zeros(3, np.float32))
+    assert isinstance(draws, rt.PerReplica)
+    rows = np.stack([np.asarray(v) for v in draws.values])
+    assert len({tuple(r) for r in rows}) == n and np.all((rows >= 0) & (rows < 1))

@@ -4,8 +4,8 @@ Contract: after this pass every value (regions included) has ``type.replica`` se
 A value is ``mirrored`` when it is provably identical on every replica: mirrored inputs,
 constants, the results of ``all_reduce``/``all_gather``, and the results of ops known
 to be pure functions of their operands (``PURE``) when every operand is mirrored.
-``replica_id``, per-replica inputs and the results of ``ppermute``, ``psum_scatter`` and
-``all_to_all`` are ``varying``. Any other op is varying unless JAX's own trace typed its
+``replica_id``, per-replica inputs and the results of ``ppermute``, ``psum_scatter``,
+``all_to_all``, ``io_callback`` and ``rng_uniform`` are ``varying``. Any other op is varying unless JAX's own trace typed its
 result invariant (JAX's varying-type system is sound, so that is a proof); an op parsed
 from text without that record is varying. Inputs whose variance is unknown count as
 varying. The runtime returns mirrored outputs as one array. Per-op rules are in ``RULES``;
@@ -38,6 +38,11 @@ RULES: dict[str, Callable[[list[Replica], Op], list[Replica]]] = {
     "psum_scatter": lambda reps, op: [V] * len(op.results),
     "ppermute": lambda reps, op: [V] * len(op.results),
     "ragged_all_to_all": lambda reps, op: [V] * len(op.results),
+    # a host callback with effects runs once per replica and may answer each its own
+    # value; XLA's stateful RNG draws per device (JAX types both invariant when their
+    # operands are; the trace casts them to varying: ``jc.install_varying_sources``)
+    "io_callback": lambda reps, op: [V] * len(op.results),
+    "rng_uniform": lambda reps, op: [V] * len(op.results),
     "constant": lambda reps, op: [M] * len(op.results),
     # a cast of a mirrored value to JAX's "varying" type is still identical everywhere
     "cast_varying": lambda reps, op: list(reps),
