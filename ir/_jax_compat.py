@@ -1251,13 +1251,16 @@ def grouped_reduce(x: Any, op: str, groups: list[list[int]], n: int, axis: str) 
         me = jax.lax.axis_index(axis)
         mask = jax.numpy.asarray(member)[me]
         mask = mask.reshape((n,) + (1,) * (everyone.ndim - 1))
-        if op in ("sum", "mean"):
-            out = jax.numpy.sum(jax.numpy.where(mask, everyone, 0), axis=0)
+        if op in ("sum", "mean"):  # (in the value's own dtype: int8 wraps, as psum's)
+            keep = None if everyone.dtype == bool else everyone.dtype
+            out = jax.numpy.sum(jax.numpy.where(mask, everyone, 0), axis=0, dtype=keep)
             if op == "mean":  # (this replica's group's size)
                 out = out / jax.numpy.asarray(member.sum(1), out.dtype)[me]
             return out
         fill = -jax.numpy.inf if op == "max" else jax.numpy.inf
-        if not jax.numpy.issubdtype(everyone.dtype, jax.numpy.inexact):
+        if everyone.dtype == bool:
+            fill = op != "max"
+        elif not jax.numpy.issubdtype(everyone.dtype, jax.numpy.inexact):
             info = jax.numpy.iinfo(everyone.dtype)
             fill = info.min if op == "max" else info.max
         red = jax.numpy.max if op == "max" else jax.numpy.min

@@ -1178,6 +1178,20 @@ def test_psum_replica_groups(name):
                          num_replicas=8, axis_name=AX)(per(x))
 
 
+@pytest.mark.parametrize("prim", ["psum", "pmean", "pmax", "pmin"])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.bool_])
+def test_replica_groups_of_small_integers_and_bools(dtype, prim):
+    """A grouped reduction of int8 / uint8 / bool values has pmap's dtype and numbers:
+    a sum in the value's own dtype wraps (100 + 100 is -56 in int8). Before, the sum
+    widened to int32 (200) and a max of bools raised ``Invalid integer data type``."""
+    x = (np.array([100, 100, -100, -100, 7, 8, 9, 10]) if dtype == np.int8 else
+         np.array([200, 100, 0, 255, 1, 2, 3, 4]) if dtype == np.uint8 else
+         np.array([1, 0, 0, 0, 1, 1, 0, 0])).astype(dtype).reshape(8, 1)
+    got, want, _ = same_as_pmap(lambda x: getattr(lax, prim)(x, AX, axis_index_groups=_PAIRS), x)
+    assert np.asarray(got).dtype == np.asarray(want).dtype
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("groups", [_EVEN_ODD, _INTERLEAVED], ids=["even-odd", "interleaved"])
 def test_gather_replica_groups(groups):
     """``testGatherReplicaGroups`` / ``testGatherReplicaGroupsInterleaved``: every replica
