@@ -547,3 +547,37 @@ def test_io_callback_and_stateful_rng_of_mirrored_operands_are_per_replica():
     assert isinstance(draws, rt.PerReplica)
     rows = np.stack([np.asarray(v) for v in draws.values])
     assert len({tuple(r) for r in rows}) == n and np.all((rows >= 0) & (rows < 1))
+
+
+_ROUNDINGS = {  # name: (loss of (w, x), rows of x per replica, loss reduction)
+    "bf16_master": (lambda w, x: jnp.sum(w.astype(jnp.bfloat16) * x.astype(jnp.bfloat16))
+                    .astype(jnp.float32), [[256.0], [1.0]], "mean"),
+    "f16_sum": (lambda w, x: jnp.sum(w.astype(jnp.float16) * x.astype(jnp.float16))
+                .astype(jnp.float32), [[20000.0]] * 4, "sum"),
+    "f8_round_trip": (lambda w, x: jnp.sum(w.astype(jnp.float8_e4m3fn).astype(jnp.float32) * x),
+                      [[1.1], [1.2]], "sum"),
+    "reduce_precision": (lambda w, x: jnp.sum(lax.reduce_precision(w, 4, 3) * x),
+                         [[1.1], [1.2]], "sum"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ROUNDINGS))
+def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
+    """A mirrored float32 weight cast to a low-precision type inside the step (mixed
+    precision), or rounded by ``reduce_precision``: each replica rounds its own
+    cotangent and the replicas' float32 gradients are summed, as pmap code (oracle:
+    pmap with ``psum``, then the reduction) and TF compute. Before, the all-reduce ran on
+    the low-precision cotangent: in bfloat16 257 rounded to 256 (128.0 where pmap gives
+    128.5), in float16 4 × 20000 overflowed to inf (pmap: 80000)."""
+    loss, rows, reduction = _ROUNDINGS[name]
+    x = np.asarray(rows, np.float32)
+    n, w = len(rows), jnp.ones((1,), jnp.float32)
+    step = rt.replicate(jax.grad(loss), num_replicas=n, loss_reduction=reduction)
+    got = step(w, rt.distribute(x, n))
+    summed = jax.pmap(lambda a: lax.psum(jax.grad(loss)(w, a[None]), "i"), axis_name="i")(x)[0]
+    want = summed / n if reduction == "mean" else summed
+    assert np.all(np.isfinite(np.asarray(want)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    reduces = [op for op, _ in step.lower(w, rt.distribute(x, n)).ir().walk()
+               if op.name == "all_reduce"]
+    assert [r.results[0].type.dtype for r in reduces] == ["float32"]

@@ -194,6 +194,135 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
     return inside, reduces, others, readers
 
 
+# -- gradient sums below each replica's own casts ---------------------------------------
+# JAX sums a mirrored value's gradient over the replicas where the value first meets a
+# per-replica one (the transpose of its cast to varying), not where the gradient of the
+# mirrored input ends. In a mixed-precision step (float32 master weights cast to bfloat16
+# or float16 inside the step, as jmp does) that is the low-precision cotangent of the
+# cast: the replicas' addends were summed in bfloat16 (257 rounded to 256, so a replica's
+# 1 was lost) or float16 (4 × 20000 = inf), then widened, where pmap code and TF (each
+# replica's float32 gradient, then all-reduced) and ``jax.jit`` on the global batch give
+# 128.5 and 80000. The same holds for ``lax.reduce_precision`` (rounded per replica
+# there, once after the sum here). So a gradient all-reduce moves below the ops of one
+# operand its result alone feeds that widen, round or shrink it, or only rearrange it
+# (``_SINKS``, a broadcast that adds unit dims, a cast to a narrower float and back),
+# and below an ``add_any`` of such sums: each replica applies them to its
+# own addend, and the sum follows, in the wider type. Σ_r f(a_r) = f(Σ_r a_r) for these
+# linear maps, so only the rounding changes, to the per-replica program's.
+_SINKS = frozenset({"reduce_sum", "reshape", "transpose", "squeeze", "expand_dims", "copy",
+                    "copy_p", "reduce_precision", "convert_element_type"})
+_SUMS = frozenset({"add_any", "add"})
+
+
+def _size(v: Value) -> int | None:
+    n = 1
+    for d in v.type.shape:
+        if not isinstance(d, int):
+            return None
+        n *= d
+    return n
+
+
+def _float_dtype(name: str) -> Any:
+    dtype = jc.dtype_from_name(name)
+    return dtype if jax.numpy.issubdtype(dtype, jax.numpy.floating) else None
+
+
+def _sinkable_reduce(op: Op, enclosing: bool) -> bool:
+    """A gradient all-reduce sum of one static float value, over the replicas only."""
+    return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
+            and not op.attr("axis_index_groups") and transposed(op, enclosing)
+            and _float_dtype(op.operands[0].type.dtype) is not None
+            and all(isinstance(d, int) for d in op.operands[0].type.shape))
+
+
+def _sinks_through(op: Op) -> bool:
+    """Does a gradient all-reduce move below ``op`` (``_SINKS``; a cast only between
+    float types, to one at least as wide; a broadcast only of unit dims)?"""
+    if op.name == "broadcast_in_dim":
+        return _size(op.results[0]) == _size(op.operands[0])
+    if op.name != "convert_element_type":
+        return op.name in _SINKS
+    a, b = (_float_dtype(v.type.dtype) for v in (op.operands[0], op.results[0]))
+    return a is not None and b is not None and b.itemsize >= a.itemsize
+
+
+def _rounds(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool]) -> bool:
+    """Is ``op`` a cast to a narrower float type whose result only a cast back to one at
+    least as wide as its operand reads (``x.astype(float8).astype(float32)``: a rounding,
+    as ``reduce_precision``)?"""
+    if op.name != "convert_element_type" or not waits(op.results[0]):
+        return False
+    (back,) = users[op.results[0]]
+    a, b, c = (_float_dtype(v.type.dtype) for v in (op.operands[0], op.results[0],
+                                                     back.results[0]))
+    return (a is not None and b is not None and c is not None and back.name == op.name
+            and c.itemsize >= a.itemsize)
+
+
+def _sink_sums(graph: Graph, enclosing: bool) -> Graph:
+    """``graph`` with its gradient all-reduces moved below the ops described above. An
+    all-reduce moves only when the op reading it moves too (so it keeps its place in
+    the program otherwise): found first (``moving``), then the graph rebuilt."""
+    if not any(op.name == "all_reduce" for op in graph.ops):
+        return graph
+    users, outputs = graph.users(), set(graph.outputs)
+
+    def waits(v: Value) -> bool:
+        return v not in outputs and len(users.get(v, ())) == 1
+
+    def moves(op: Op, held: set[Value], attrs: dict[Value, Any]) -> bool:
+        """Does the sum move below ``op``, its operands in ``held`` waiting for theirs?"""
+        if len(op.results) != 1 or not any(v in held for v in op.operands):
+            return False
+        if op.name in _SUMS:
+            return all(v in held for v in op.operands) and \
+                len({attrs[v] for v in op.operands}) == 1
+        return len(op.operands) == 1 and (_sinks_through(op) or _rounds(op, users, waits))
+
+    # which ops the sums move below, if every sum that can wait does
+    held: set[Value] = set()
+    attrs: dict[Value, Any] = {}
+    moving: set[int] = set()
+    for op in graph.ops:
+        if _sinkable_reduce(op, enclosing):
+            if waits(op.results[0]):
+                held.add(op.results[0])
+                attrs[op.results[0]] = op.attrs
+        elif moves(op, held, attrs):
+            moving.add(id(op))
+            if waits(op.results[0]):
+                held.add(op.results[0])
+                attrs[op.results[0]] = attrs[next(v for v in op.operands if v in held)]
+    if not moving:
+        return graph
+
+    def defer(v: Value) -> bool:
+        return v in held and id(users[v][0]) in moving
+
+    rw = Rewriter(graph)
+    # a value whose all-reduce waits: (the replica's own addend in the new graph, the
+    # all-reduce to emit below the ops that move)
+    pending: dict[Value, tuple[Value, Op]] = {}
+    for op in graph.ops:
+        if _sinkable_reduce(op, enclosing) and defer(op.results[0]):
+            pending[op.results[0]] = (rw.get(op.operands[0]), op)
+            continue
+        if id(op) not in moving:
+            rw.emit(op)
+            continue
+        (r,) = op.results
+        reduce = next(pending[v][1] for v in op.operands if v in pending)
+        addend = Value(r.type.with_replica(Replica.VARYING))
+        rw.add(Op(op.name, tuple(pending.pop(v)[0] for v in op.operands), (addend,),
+                  op.attrs, op.loc, (), op.impl))
+        if defer(r):
+            pending[r] = (addend, reduce)
+        else:
+            rw.add(reduce.with_values((addend,), (r,)))
+    return rw.finish()
+
+
 @dataclass(frozen=True)
 class CrossReplicaSumPass:
     """Marks and scales gradient all-reduces (see module docstring)."""
@@ -288,6 +417,7 @@ class CrossReplicaSumPass:
     def _rewrite(self, graph: Graph, enclosing: bool, memo: RegionMemo) -> Graph:
         """``graph`` (a region: inside a transposed op when ``enclosing``) rewritten; a
         region several ops share is rewritten once per ``enclosing``."""
+        graph = _sink_sums(graph, enclosing)
         rw = Rewriter(graph)
         uses: list = []  # (users, producers) of the graph, made for the first warning check
         half_means, divided = self._half_means(graph, enclosing, uses)
