@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import runtime as rt
+from compiler.passes.padding import PaddingError
 from runtime.dynamic import AutoBuckets, distribute_uneven, make_bucketer
 
 N = 4
@@ -1146,10 +1147,37 @@ def test_factorizations_and_solves_over_a_padded_matrix_equal_jit(monkeypatch, n
 def test_spectral_ops_over_a_padded_matrix_are_a_clear_error(name, f):
     """Eigenvalues and QR of a padded matrix would mix the padding's part into the real
     results (before: wrong numbers); the error names the op, the axis and the line."""
-    from compiler.passes.padding import PaddingError
     step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
     xs = [np.ones((n, 3), np.float32) for n in (5, 3)]
     with pytest.raises(PaddingError, match=rf"{name} is not exact over a padded matrix axis: "
                                            rf"axis 0 \(dim \w+\) of its operand f32\[\w+,\w+\] .*"
                                            rf"\(test_dynamic\.py:\d+\)"):
         step(rt.PerReplica(xs))
+
+
+@pytest.mark.parametrize("case", ["axis0", "axis1", "not_partitionable"])
+def test_random_draws_over_a_padded_axis_equal_the_unpadded_draw_or_are_refused(case):
+    """``jax.random`` over a padded shape: along axis 0 with JAX's default generator the
+    real rows' values are the unpadded draw's (oracle: ``jax.jit`` on each replica's own
+    data); along a later padded axis (a dynamic sequence length), or with
+    ``jax_threefry_partitionable`` off, every element's bits depend on the padded sizes,
+    so it is a ``PaddingError`` naming the op and the axis. Before, both gave other
+    numbers than the unpadded draw, silently."""
+    def step(x, key):
+        return x + jax.random.normal(jax.random.fold_in(key, 7), x.shape)
+    dims = {0: {1: "t"}} if case == "axis1" else None
+    rep = rt.replicate(step, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims=dims))
+    key = jax.random.PRNGKey(3)
+    xs = ([np.zeros((2, t), np.float32) for t in (3, 2)] if case == "axis1" else
+          [np.zeros((t, 3), np.float32) for t in (3, 2)])
+    with jax.threefry_partitionable(case != "not_partitionable"):
+        if case != "axis0":
+            axis = 1 if case == "axis1" else 0
+            with pytest.raises(PaddingError, match=rf"random_bits .* padded axis {axis} "
+                                                   r".*test_dynamic\.py:\d+"):
+                rep(rt.PerReplica(xs), key)
+            return
+        got = rep(rt.PerReplica(xs), key)
+        for r, x in enumerate(xs):
+            np.testing.assert_array_equal(got.values[r], jax.jit(step)(x, key))

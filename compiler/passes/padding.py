@@ -384,6 +384,29 @@ class _Padder:
                 "scatters it onto a value that is not zero"
         return "is not known to be linear in it"
 
+    def check_random_bits(self, op: Op, made: dict[int, str]) -> None:
+        """Random bits drawn for a padded shape: a generator numbers the elements of the
+        whole shape, so the padding changes the bits of the real elements except along
+        axis 0 (the elements' row-major numbers do not depend on its size), and there
+        only with a generator that numbers each element on its own (threefry
+        "partitionable", JAX's default, and rbg; the other threefry splits its counters
+        by the total size). Anything else would silently differ from the unpadded draw:
+        a ``PaddingError`` naming the op and the axis."""
+        key = op.operands[0].type.dtype if op.operands else ""
+        threefry = not key.startswith("key<") or "fry" in key
+        where = next((a for a in made if a != 0), None)
+        if where is None and threefry and not jax.config.jax_threefry_partitionable:
+            where = 0
+        if where is not None:
+            why = ("jax_threefry_partitionable is off, so every bit depends on the total size"
+                   if where == 0 else "the bits of every element depend on the sizes of the "
+                   "axes after axis 0")
+            raise PaddingError(
+                f"padding: random_bits draws {op.results[0].type} over the padded axis "
+                f"{where} (dim {made[where]}) and {why}: its values would differ from the "
+                f"unpadded draw ({_loc(op)}); draw over a static shape and slice, or keep that "
+                f"dim static (RunOptions(dynamic_dims=...))")
+
     def check_no_partial(self, values: tuple[Value, ...], where: str) -> None:
         for v in values:
             src = self.partial.get(v)
@@ -397,7 +420,9 @@ class _Padder:
     def visit(self, op: Op) -> None:
         pads = [self.padded_axes(v.type, op) for v in op.operands]
         for r in op.results:
-            self.padded_axes(r.type, op)
+            made = self.padded_axes(r.type, op)
+            if made and op.name == "random_bits":
+                self.check_random_bits(op, made)
         any_pad = any(pads)
         attrs = tuple((k, _subst_attr(v, self.buckets)) for k, v in op.attrs)
         operands = [self.env[v] for v in op.operands]
