@@ -1181,3 +1181,20 @@ def test_random_draws_over_a_padded_axis_equal_the_unpadded_draw_or_are_refused(
         got = rep(rt.PerReplica(xs), key)
         for r, x in enumerate(xs):
             np.testing.assert_array_equal(got.values[r], jax.jit(step)(x, key))
+
+
+def test_a_dynamic_size_is_per_replica_and_its_sum_gives_no_warning():
+    """``x.shape[0]`` of a dynamic batch is each replica's own size: the README's DP-SGD
+    count ``rt.all_reduce(jnp.float32(x.shape[0]), "sum")`` is the global batch size
+    with no warning (before: "all-reduce of a value that is already identical on every
+    replica"), and the size itself comes back per replica (oracle: the real sizes)."""
+    import warnings
+
+    def step(x):
+        n = jnp.float32(x.shape[0])
+        return n[None], rt.all_reduce(n, "sum")
+    rep = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        local, total = rep(distribute_uneven(np.ones((5, 2), np.float32), 2))
+    assert [float(v[0]) for v in local.values] == [3.0, 2.0] and float(total) == 5.0
