@@ -554,7 +554,15 @@ def install_layout_hook() -> None:
 
         def bind(*args, _orig=prim.bind, _what=what, **params):
             hook = LAYOUT_HOOK.get()
-            return _orig(*args, **params) if hook is None else hook(_what, _orig, args, params)
+            if hook is None:
+                return _orig(*args, **params)
+            # (unhooked inside: the hook reading a value's type may place it itself, as
+            # ``jax.typeof`` of a constant spread over devices does)
+            token = LAYOUT_HOOK.set(None)
+            try:
+                return hook(_what, _orig, args, params)
+            finally:
+                LAYOUT_HOOK.reset(token)
         bind._replicate_hlo = True
         prim.bind = bind
 

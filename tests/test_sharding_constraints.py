@@ -194,3 +194,23 @@ def test_jit_shardings_inside_the_step_follow_the_same_rule(rows):
                      num_replicas=N)(rt.distribute(x, N))
     out = rt.replicate(lambda x: same(x), num_replicas=N)(rt.distribute(x, N))
     np.testing.assert_array_equal(np.concatenate([np.asarray(v) for v in out.values]), x * 2)
+
+
+@pytest.mark.parametrize("spec", [P("batch"), P()], ids=["split", "replicated"])
+def test_step_closing_over_an_array_spread_over_devices(spec):
+    """A step that closes over a ``jax.Array`` placed over 8 devices (a table made for
+    ``jax.jit`` code): its value is a constant of the step, the numbers ``jax.jit``'s,
+    gradient included. Before, reading its type inside the layout hook placed it again,
+    through the hook: a ``RecursionError``."""
+    table = jax.device_put(jnp.arange(24, dtype=jnp.float32).reshape(8, 3),
+                           NamedSharding(_mesh(), spec))
+
+    def step(w, x):
+        return jax.value_and_grad(lambda w: jnp.sum((x @ table.T) * w))(w)
+    x = np.arange(N * 6, dtype=np.float32).reshape(N * 2, 3) / 10
+    w = np.ones(8, np.float32)
+    loss, grad = rt.replicate(step, num_replicas=N)(w, rt.distribute(x, N))
+    for r, xr in enumerate(np.split(x, N)):
+        np.testing.assert_allclose(loss.values[r], jax.jit(step)(w, xr)[0], rtol=1e-6)
+    want = np.mean([jax.jit(step)(w, xr)[1] for xr in np.split(x, N)], axis=0)
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-6)
