@@ -1394,6 +1394,16 @@ def grad_mode(mode: str):
     return _grad_mode_state()(mode)
 
 
+def _varying_seed(c: Any, axes: frozenset) -> Any:
+    """The cotangent seed ``c`` varying over ``axes`` too (values unchanged); ``c`` as it
+    is when it is not an array JAX can type (its own error then names it)."""
+    try:
+        missing = axes - varying_axes(jax.typeof(c))
+    except TypeError:
+        return c
+    return to_varying(c, missing) if missing else c
+
+
 def install_vjp_hook(policy: Any) -> None:
     """Route every pullback's seeds and results through ``policy`` while the mode is
     ``replica``: ``policy(cts, out_varying, in_varying, run)`` gets the flat cotangent
@@ -1425,6 +1435,10 @@ def install_vjp_hook(policy: Any) -> None:
         if len(cts) != len(out_primal_avals):  # a malformed seed: JAX's own error
             return orig(*args)
         out_varying = [varying_axes(a) for a in out_primal_avals]
+        # a seed identical on every replica for a per-replica output (pmap code's
+        # ``pb(1.0)``) is that value on each replica: cast, as JAX casts a mirrored operand
+        cts = [c if is_zero(c) or not out_varying[i] else _varying_seed(c, out_varying[i])
+               for i, c in enumerate(cts)]
         # 0.11.2's jaxpr takes the residuals first, then one input per primal leaf
         in_varying = [varying_axes(v.aval) for v in jaxpr.invars[-args[0].num_leaves:]] \
             if args[0].num_leaves else []

@@ -581,3 +581,25 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
     reduces = [op for op, _ in step.lower(w, rt.distribute(x, n)).ir().walk()
                if op.name == "all_reduce"]
     assert [r.results[0].type.dtype for r in reduces] == ["float32"]
+
+
+@pytest.mark.parametrize("seed", ["jnp", "python"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_vjp_seed_identical_on_every_replica_for_a_per_replica_output(reduction, seed):
+    """pmap code seeds a pullback with a constant (``pb(2.0)``) for an output that
+    differs between replicas: each replica pulls back that value, and the gradient of
+    the mirrored weight is reduced as ``loss_reduction`` says (oracle: pmap with
+    ``pmean`` / ``psum`` of the per-replica gradients). Before, JAX refused the seed's
+    type (``unexpected JAX type ... expected float32[]{V:replica}``)."""
+    n = 4
+    x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) / 10
+    w = jnp.ones(3, jnp.float32)
+    c = jnp.float32(2.0) if seed == "jnp" else 2.0
+
+    def step(w, x):
+        _, pb = jax.vjp(lambda w: jnp.sum(x @ w), w)
+        return pb(c)[0]
+    got = rt.replicate(step, num_replicas=n, loss_reduction=reduction)(w, rt.distribute(x, n))
+    red = lax.pmean if reduction == "mean" else lax.psum
+    want = jax.pmap(lambda x: red(step(w, x), "i"), axis_name="i")(x.reshape(n, 2, 3))[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
