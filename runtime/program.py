@@ -598,6 +598,14 @@ def scan_steps(fn: Callable, args: tuple, mask: tuple, k: int, step_outputs: str
         return new_leaves, out[1]
 
     carry, ys = lax.scan(body, state_leaves, xs, length=k)
+    if step_outputs in ("mean", "sum"):
+        for path, y in jax.tree_util.tree_leaves_with_path(ys):
+            if jax.dtypes.issubdtype(y.dtype, jax.dtypes.extended):
+                raise TypeError(
+                    f"replicate(steps_per_call={k}, step_outputs={step_outputs!r}): output "
+                    f"outputs{jax.tree_util.keystr(path)} is {y.dtype} (a PRNG key), which has "
+                    f"no {step_outputs}; return it as state, or use step_outputs='stack' or "
+                    f"'last'")
     if step_outputs == "last":
         ys = jax.tree.map(lambda y: y[-1], ys)
     elif step_outputs == "mean":

@@ -168,3 +168,17 @@ def test_multistep_errors(mlp):
         rt.replicate(mstep, step_outputs="first")
     with pytest.raises(ValueError, match="steps_per_call"):
         rt.replicate(mstep, steps_per_call=0)
+
+
+@pytest.mark.parametrize("how", ["mean", "sum"])
+def test_step_outputs_mean_of_a_key_output_is_a_clear_error(how):
+    """``step_outputs="mean"``/``"sum"`` of an output that is a PRNG key: a
+    ``TypeError`` naming the option and the output (before: NumPy's ``Cannot interpret
+    'key<fry>' as a data type``)."""
+    def step(key, x):
+        key, sub = jax.random.split(key)
+        return key, (jnp.sum(x), sub)
+    s = rt.replicate(step, num_replicas=2, steps_per_call=3, step_outputs=how)
+    with pytest.raises(TypeError, match=rf"step_outputs='{how}'\): output outputs\[1\] is "
+                                        r"key<fry> \(a PRNG key\)"):
+        s(jax.random.key(0), rt.distribute_steps([np.ones((2, 1), np.float32)] * 3, 2))
