@@ -1198,3 +1198,14 @@ def test_a_dynamic_size_is_per_replica_and_its_sum_gives_no_warning():
         warnings.simplefilter("error")
         local, total = rep(distribute_uneven(np.ones((5, 2), np.float32), 2))
     assert [float(v[0]) for v in local.values] == [3.0, 2.0] and float(total) == 5.0
+
+
+def test_pure_callback_over_a_padded_axis_is_a_clear_error():
+    """A ``jax.pure_callback`` of a value with a padded axis would hand the host function
+    the padding: a ``PaddingError`` naming the op and the line, as for the other
+    callbacks (before: an internal ``LoweringError`` about shapes ``(2, 3), (b, 3)``)."""
+    def step(x):
+        return x * jax.pure_callback(lambda v: np.sin(v), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    rep = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(PaddingError, match=r"pure_callback .*padded .*test_dynamic\.py:\d+"):
+        rep(rt.distribute(np.ones((4, 3), np.float32), 2))

@@ -140,6 +140,8 @@ def _clamped_start(c: Any, dim: int, n: Any) -> Any:
 #: axes of the key data (``jax.random.split`` of a key per row)
 _KEY_DATA = frozenset({"random_wrap", "random_unwrap", "random_split", "random_fold_in",
                        "random_bits"})
+#: host callbacks: the host function would see a padded value's padding
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
 #: the identity of each combining scatter (what a masked update element adds nothing with)
 _SCATTER_IDENTITY = {"scatter-add": "0", "scatter-sub": "0", "scatter-mul": "1",
                      "scatter-min": "+inf", "scatter-max": "-inf"}
@@ -424,6 +426,13 @@ class _Padder:
             if made and op.name == "random_bits":
                 self.check_random_bits(op, made)
         any_pad = any(pads)
+        if op.name in _CALLBACKS and (any_pad or any(
+                isinstance(d, SymDim) for r in op.results for d in r.type.shape)):
+            raise PaddingError(
+                f"padding: {op.name} takes or returns a value with a padded (dynamic) axis "
+                f"({', '.join(str(v.type) for v in op.operands + op.results)}): the host "
+                f"function would see the padding, not the real rows ({_loc(op)}); call it on "
+                f"a static shape, or keep that dim static (RunOptions(dynamic_dims=...))")
         attrs = tuple((k, _subst_attr(v, self.buckets)) for k, v in op.attrs)
         operands = [self.env[v] for v in op.operands]
         if op.name == "dim_as_value":
