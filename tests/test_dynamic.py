@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -1209,3 +1210,27 @@ def test_pure_callback_over_a_padded_axis_is_a_clear_error():
     rep = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
     with pytest.raises(PaddingError, match=r"pure_callback .*padded .*test_dynamic\.py:\d+"):
         rep(rt.distribute(np.ones((4, 3), np.float32), 2))
+
+
+@pytest.mark.parametrize("kind", ["associative_scan", "pad"])
+def test_gradient_of_a_broadcast_weight_through_a_zero_pad_along_a_static_axis(kind):
+    """A mirrored decay ``a`` broadcast over a padded batch and shifted along time with
+    zeros (``jnp.pad``, inside ``lax.associative_scan`` too: an LRU/Mamba-style scan):
+    its gradient's sum over the replicas moves through the pad, which is linear, to
+    where the dims are static (oracle: the mean of ``jax.grad`` on each replica's own
+    data). Before: a ``PaddingError`` (pad "not known to be linear")."""
+    def loss(a, u):
+        decay = jnp.broadcast_to(a, u.shape)                       # [b, T, D]
+        if kind == "pad":
+            h = jnp.pad(decay[:, 1:], ((0, 0), (1, 0), (0, 0))) * u
+        else:
+            _, h = lax.associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]),
+                                        (decay, u), axis=1)
+        return jnp.mean(h ** 2)
+    a = jnp.array([0.3, 0.5, 0.7, 0.9])
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (8, 6, 4)))
+    xs = [x[:3], x[3:8]]
+    got = rt.replicate(jax.grad(loss), num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True))(a, rt.PerReplica(xs))
+    want = np.mean([jax.jit(jax.grad(loss))(a, u) for u in xs], axis=0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)

@@ -384,6 +384,12 @@ class _Padder:
             zero = partial[0] or is_zero(op.operands[0], self.producers)
             return None if partial[2] and not partial[1] and zero else \
                 "scatters it onto a value that is not zero"
+        if name == "pad":  # (with zeros, along static axes only: ``jnp.pad``, a scan's shift)
+            config = op.attr("padding_config") or ()
+            static = all(tuple(c) == (0, 0, 0) for c, d in zip(config, op.operands[0].type.shape)
+                         if isinstance(d, SymDim))
+            return None if partial == [True, False] and static and \
+                is_zero(op.operands[1], self.producers) else "pads it with a value that is not zero"
         return "is not known to be linear in it"
 
     def check_random_bits(self, op: Op, made: dict[int, str]) -> None:
