@@ -558,6 +558,8 @@ _ROUNDINGS = {  # name: (loss of (w, x), rows of x per replica, loss reduction)
                       [[1.1], [1.2]], "sum"),
     "reduce_precision": (lambda w, x: jnp.sum(lax.reduce_precision(w, 4, 3) * x),
                          [[1.1], [1.2]], "sum"),
+    "f16_slice_sum": (lambda w, x: jnp.sum(w.astype(jnp.float16)[:1] * x.astype(jnp.float16))
+                      .astype(jnp.float32), [[20000.0]] * 4, "sum"),
 }
 
 
@@ -571,7 +573,7 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
     128.5), in float16 4 × 20000 overflowed to inf (pmap: 80000)."""
     loss, rows, reduction = _ROUNDINGS[name]
     x = np.asarray(rows, np.float32)
-    n, w = len(rows), jnp.ones((1,), jnp.float32)
+    n, w = len(rows), jnp.ones((2 if "slice" in name else 1,), jnp.float32)
     step = rt.replicate(jax.grad(loss), num_replicas=n, loss_reduction=reduction)
     got = step(w, rt.distribute(x, n))
     summed = jax.pmap(lambda a: lax.psum(jax.grad(loss)(w, a[None]), "i"), axis_name="i")(x)[0]

@@ -205,7 +205,8 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
 # 128.5 and 80000. The same holds for ``lax.reduce_precision`` (rounded per replica
 # there, once after the sum here). So a gradient all-reduce moves below the ops of one
 # operand its result alone feeds that widen, round or shrink it, or only rearrange it
-# (``_SINKS``, a broadcast that adds unit dims, a cast to a narrower float and back),
+# (``_SINKS``, a broadcast that adds unit dims, a cast to a narrower float and back, a
+# pad with zeros that a widening cast reads),
 # and below an ``add_any`` of such sums: each replica applies them to its
 # own addend, and the sum follows, in the wider type. Σ_r f(a_r) = f(Σ_r a_r) for these
 # linear maps, so only the rounding changes, to the per-replica program's.
@@ -260,13 +261,27 @@ def _rounds(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool]
             and c.itemsize >= a.itemsize)
 
 
+def _pad_then_widen(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool],
+                    producers: dict[Value, Op]) -> bool:
+    """Is ``op`` a pad with zeros (the transpose of a slice) whose result only a cast to a
+    wider float type reads (``w.astype(float16)[:, :4]`` of a float32 weight)? The sum
+    then follows the cast, on the padded shape."""
+    if not waits(op.results[0]):
+        return False
+    (back,) = users[op.results[0]]
+    fill = producers.get(op.operands[1])
+    return (back.name == "convert_element_type" and _sinks_through(back)
+            and fill is not None and fill.name == "constant"
+            and not np.any(np.asarray(fill.attr("value"))))
+
+
 def _sink_sums(graph: Graph, enclosing: bool) -> Graph:
     """``graph`` with its gradient all-reduces moved below the ops described above. An
     all-reduce moves only when the op reading it moves too (so it keeps its place in
     the program otherwise): found first (``moving``), then the graph rebuilt."""
     if not any(op.name == "all_reduce" for op in graph.ops):
         return graph
-    users, outputs = graph.users(), set(graph.outputs)
+    users, outputs, producers = graph.users(), set(graph.outputs), graph.producers()
 
     def waits(v: Value) -> bool:
         return v not in outputs and len(users.get(v, ())) == 1
@@ -278,6 +293,8 @@ def _sink_sums(graph: Graph, enclosing: bool) -> Graph:
         if op.name in _SUMS:
             return all(v in held for v in op.operands) and \
                 len({attrs[v] for v in op.operands}) == 1
+        if op.name == "pad":  # (its padding value is a second operand)
+            return op.operands[0] in held and _pad_then_widen(op, users, waits, producers)
         return len(op.operands) == 1 and (_sinks_through(op) or _rounds(op, users, waits))
 
     # which ops the sums move below, if every sum that can wait does
@@ -314,8 +331,8 @@ def _sink_sums(graph: Graph, enclosing: bool) -> Graph:
         (r,) = op.results
         reduce = next(pending[v][1] for v in op.operands if v in pending)
         addend = Value(r.type.with_replica(Replica.VARYING))
-        rw.add(Op(op.name, tuple(pending.pop(v)[0] for v in op.operands), (addend,),
-                  op.attrs, op.loc, (), op.impl))
+        rw.add(Op(op.name, tuple(pending.pop(v)[0] if v in pending else rw.get(v)
+                                 for v in op.operands), (addend,), op.attrs, op.loc, (), op.impl))
         if defer(r):
             pending[r] = (addend, reduce)
         else:
