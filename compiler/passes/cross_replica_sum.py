@@ -123,7 +123,10 @@ def _uses(graph: Graph, cache: list) -> list:
 #: ops of one operand that a division by N commutes with (``_half_means``)
 _LINEAR_UNARY = frozenset({"convert_element_type", "reduce_sum", "reshape", "transpose",
                            "squeeze", "expand_dims", "broadcast_in_dim", "neg", "copy",
-                           "copy_p", "slice", "rev"})
+                           "copy_p", "slice", "rev", "cumsum"})
+#: ops linear in their first operand when every other one is a zero constant (a pad's
+#: fill, the transpose of a slice: x/N padded with zeros is (x padded)/N)
+_LINEAR_ZERO_REST = frozenset({"pad"})
 #: ops linear in every operand: each must be made of such all-reduces
 _LINEAR_SUMS = frozenset({"add_any", "add", "sub", "concatenate"})
 #: ops linear in one operand (``div``: its numerator), the other a factor
@@ -141,13 +144,22 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
     if p is not None and len(p.results) == 1 and depth < 512:
         if _mean_candidate(p, enclosing):
             out = True
-        elif p.name in _LINEAR_UNARY:
+        elif p.name in _LINEAR_UNARY or (p.name in _LINEAR_ZERO_REST and all(
+                _is_zero_constant(u, producers) for u in p.operands[1:])):
             out = _holds_reduce(p.operands[0], producers, enclosing, memo, depth + 1)
+        elif p.name == "select_n":  # (linear in the cases; the predicate picks)
+            out = any(_holds_reduce(u, producers, enclosing, memo, depth + 1)
+                      for u in p.operands[1:])
         elif p.name in _LINEAR_SUMS or p.name in _LINEAR_ONE_SIDED:
             out = any(_holds_reduce(u, producers, enclosing, memo, depth + 1)
                       for u in p.operands)
     memo[v] = out
     return out
+
+
+def _is_zero_constant(v: Value, producers: dict[Value, Op]) -> bool:
+    p = producers.get(v)
+    return p is not None and p.name == "constant" and not np.any(np.asarray(p.attr("value")))
 
 
 def _mean_candidate(op: Op, enclosing: bool) -> bool:
@@ -181,8 +193,10 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
         inside[v] = p
         if _mean_candidate(p, enclosing):
             reduces[id(p)] = p
-        elif p.name in _LINEAR_UNARY:
+        elif p.name in _LINEAR_UNARY or p.name in _LINEAR_ZERO_REST:  # (zeros: as they are)
             stack.append((p.operands[0], p, 0))
+        elif p.name == "select_n":  # the cases, each divided or holding a mean
+            stack.extend((u, p, i) for i, u in enumerate(p.operands) if i > 0)
         elif p.name in _LINEAR_SUMS:
             stack.extend((u, p, i) for i, u in enumerate(p.operands))
         else:  # one-sided: the operand with the all-reduce (a div's numerator)
