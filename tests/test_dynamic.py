@@ -1234,3 +1234,18 @@ def test_gradient_of_a_broadcast_weight_through_a_zero_pad_along_a_static_axis(k
         dynamic_shapes=True))(a, rt.PerReplica(xs))
     want = np.mean([jax.jit(jax.grad(loss))(a, u) for u in xs], axis=0)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
+
+
+def test_prefill_with_a_dynamic_batch_and_length_into_a_fixed_cache():
+    """A KV-cache prefill, ``dynamic_update_slice(zeros((b, T)), x[b, t], (0, 0))`` with
+    both ``b`` and ``t`` dynamic: the batch axis is written whole, only the real length
+    along the static cache axis (oracle: ``jax.jit`` on each replica's own data, uneven
+    sizes). Before, a ``PaddingError`` (axis t "not padded the same way")."""
+    def prefill(x):
+        return lax.dynamic_update_slice(jnp.zeros((x.shape[0], 6)), x, (0, 0))
+    xs = [np.ones((2, 2), np.float32), 2 * np.ones((3, 4), np.float32)]
+    rep = rt.replicate(prefill, num_replicas=2, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={0: {0: "b", 1: "t"}}, maximum_shapes=[(8, 6)]))
+    got = rep(rt.PerReplica(xs))
+    for r, x in enumerate(xs):
+        np.testing.assert_array_equal(got.values[r], jax.jit(prefill)(x))

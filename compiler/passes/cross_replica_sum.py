@@ -488,7 +488,8 @@ class CrossReplicaSumPass:
                 elif (self.num_replicas > 1  # (a sum over one replica changes nothing)
                       and all(v.type.replica is Replica.MIRRORED for v in op.operands)
                       and not self._all_pmean(op, graph, uses)
-                      and not self._of_constants(op, graph, uses)):
+                      and not self._of_constants(op, graph, uses)
+                      and not self._of_sizes(op, graph, uses)):
                     where = f" ({op.loc})" if op.loc else ""
                     warnings.warn(
                         f"all-reduce of a value that is already identical on every "
@@ -516,6 +517,23 @@ class CrossReplicaSumPass:
                 p = producers.get(p.operands[0])
             return p is not None and p.name == "constant"
         return all(constant(v) for v in op.operands)
+
+    def _of_sizes(self, op: Op, graph: Graph, uses: list) -> bool:
+        """Is an operand of ``op`` computed from a dynamic dim's value (``x.shape[0]`` of
+        a dynamic batch: each replica's own size, typed mirrored until the padding pass
+        gives it one; the README's DP-SGD count ``all_reduce(float(x.shape[0]), "sum")``)?"""
+        producers = _uses(graph, uses)[1]
+        stack, seen = list(op.operands), set()
+        while stack and len(seen) < 64:
+            v = stack.pop()
+            p = producers.get(v)
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.name in ("dim_as_value", "dimension_size"):
+                return True
+            stack.extend(p.operands)
+        return False
 
     def _bucket(self, graph: Graph) -> Graph:
         """Merge independent gradient all-reduces (same reduce kind) into variadic ones.

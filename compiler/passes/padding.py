@@ -460,8 +460,13 @@ class _Padder:
             self.check_split(op, pads[0])
         if op.name in ("dynamic_slice", "gather") and _has_sym(op.result.type):
             operands = self.sized_slice(op, pads, operands)
-        if op.name == "dynamic_update_slice" and pads[1] and not pads[0]:
-            self.update_onto_static(op, pads[1], operands)
+        if op.name == "dynamic_update_slice" and pads[1] and (not pads[0] or (
+                all(pads[1].get(a) == sym for a, sym in pads[0].items())
+                and any(a not in pads[0] for a in pads[1]))):
+            # (axes padded alike on both, as the batch of a cache and its prefill, are
+            # written whole from start 0: only those landing on static axes need care)
+            self.update_onto_static(op, {a: s for a, s in pads[1].items() if a not in pads[0]},
+                                    operands)
             return
         if any_pad and op.name in DENY:
             raise PaddingError(
@@ -975,7 +980,8 @@ class _Padder:
         update is written, where it would be unpadded."""
         rank = op.operands[0].type.rank
         axes = sorted(upd_pad)
-        dims = [int(d) for d in op.operands[0].type.shape]
+        dims = [self.buckets[d.name] if isinstance(d, SymDim) else int(d)
+                for d in op.operands[0].type.shape]
         buckets = {a: self.buckets[upd_pad[a]] for a in axes}
 
         def fn(x, u, *rest):

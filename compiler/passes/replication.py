@@ -5,8 +5,7 @@ A value is ``mirrored`` when it is provably identical on every replica: mirrored
 constants, the results of ``all_reduce``/``all_gather``, and the results of ops known
 to be pure functions of their operands (``PURE``) when every operand is mirrored.
 ``replica_id``, per-replica inputs and the results of ``ppermute``, ``psum_scatter``,
-``all_to_all``, ``io_callback``, ``rng_uniform`` and a dynamic dim's value
-(``dim_as_value``: each replica's own size) are ``varying``. Any other op is varying unless JAX's own trace typed its
+``all_to_all``, ``io_callback`` and ``rng_uniform`` are ``varying``. Any other op is varying unless JAX's own trace typed its
 result invariant (JAX's varying-type system is sound, so that is a proof); an op parsed
 from text without that record is varying. Inputs whose variance is unknown count as
 varying. The runtime returns mirrored outputs as one array. Per-op rules are in ``RULES``;
@@ -43,9 +42,6 @@ RULES: dict[str, Callable[[list[Replica], Op], list[Replica]]] = {
     # value; XLA's stateful RNG draws per device (JAX types both invariant when their
     # operands are; the trace casts them to varying: ``jc.install_varying_sources``)
     "io_callback": lambda reps, op: [V] * len(op.results),
-    # a dynamic (symbolic) dim is each replica's own real size (an uneven last batch)
-    "dim_as_value": lambda reps, op: [V] * len(op.results),
-    "dimension_size": lambda reps, op: [V] * len(op.results),
     "rng_uniform": lambda reps, op: [V] * len(op.results),
     "constant": lambda reps, op: [M] * len(op.results),
     # a cast of a mirrored value to JAX's "varying" type is still identical everywhere
