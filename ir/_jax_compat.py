@@ -1551,7 +1551,8 @@ def _install_jvp_cast(api: Any, state: Any) -> None:
 # the replicas' contributions: exactly the sum JAX itself inserts when it transposes the
 # implicit cast to varying of a mirrored value. While a replica is traced, that sum is
 # inserted over the axes the cotangent varies over and its input does not.
-def _sum_extra_axes(cts: Any, in_tree: Any, in_avals: Sequence[Any]) -> Any:
+def _sum_extra_axes(cts: Any, in_tree: Any, in_avals: Sequence[Any],
+                    per_replica: bool = False) -> Any:
     children = jax.tree_util.treedef_children(in_tree)
     if isinstance(cts, list) and len(cts) == len(children):
         cts = tuple(cts)
@@ -1572,6 +1573,11 @@ def _sum_extra_axes(cts: Any, in_tree: Any, in_avals: Sequence[Any]) -> Any:
                 continue
             have, want = varying_axes(jax.typeof(leaf)), varying_axes(aval)
             extra, missing = have - want, want - have
+            if per_replica and not have and not want and _is_inexact(leaf):
+                # a cotangent identical on every replica (``pmean(g)``, a constant) that
+                # each replica's backward function gave: every replica adds its copy
+                extra = _mesh_axis_names()
+                leaf = to_varying(leaf, extra)
             if extra:
                 leaf = jax.lax.psum(leaf, tuple(sorted(extra)))
             if missing:  # (one cotangent for every replica: pmap code's psum(g))
@@ -1592,11 +1598,11 @@ def install_custom_vjp_sum() -> None:
     state = _grad_mode_state()
 
     @lu.transformation2
-    def summed(f, in_tree, in_avals, with_logs, *args):
+    def summed(f, in_tree, in_avals, with_logs, per_replica, *args):
         out = f(*args)
         if with_logs and isinstance(out, (list, tuple)) and len(out) == 2:
-            return _sum_extra_axes(out[0], in_tree, in_avals), out[1]
-        return _sum_extra_axes(out, in_tree, in_avals)
+            return _sum_extra_axes(out[0], in_tree, in_avals, per_replica), out[1]
+        return _sum_extra_axes(out, in_tree, in_avals, per_replica)
 
     def patched(bwd, in_tree, in_avals, *rest):
         # 0.10: (out_trees); 0.11.2: (out_trees, primal_fun, with_logs), where a backward
@@ -1604,7 +1610,10 @@ def install_custom_vjp_sum() -> None:
         if state.value == "off":
             return orig(bwd, in_tree, in_avals, *rest)
         with_logs = bool(rest[2]) if len(rest) >= 3 else False
-        return orig(summed(bwd, in_tree, tuple(in_avals), with_logs), in_tree, in_avals, *rest)
+        # (per replica: the function's outputs were cast, so it runs on each replica's
+        # own cotangent: ``_install_per_replica_cotangents``)
+        return orig(summed(bwd, in_tree, tuple(in_avals), with_logs, _FWD_CAST.get()),
+                    in_tree, in_avals, *rest)
 
     patched._replicate_hlo = True
     cd._flatten_bwd = patched

@@ -610,3 +610,38 @@ def test_vjp_seed_identical_on_every_replica_for_a_per_replica_output(reduction,
     red = lax.pmean if reduction == "mean" else lax.psum
     want = jax.pmap(lambda x: red(step(w, x), "i"), axis_name="i")(x.reshape(n, 2, 3))[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+_IDENTICAL_BACKWARDS = {
+    "pmean": lambda g, w: lax.pmean(g, "i"),
+    "psum": lambda g, w: lax.psum(g, "i"),
+    "ones": lambda g, w: jnp.ones_like(w),
+    "residual": lambda g, w: 0.1 * w,
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", sorted(_IDENTICAL_BACKWARDS))
+def test_custom_vjp_backward_identical_on_every_replica_counts_once_per_replica(name, reduction):
+    """A ``custom_vjp`` of a mirrored weight whose backward function returns a value
+    identical on every replica (``pmean(g)``, ``psum(g)``, a constant, a residual): each
+    replica's backward function gave it, so the replicas' copies are added and the loss
+    reduction applied, as for any other backward result (oracle: pmap of the same step
+    with ``pmean`` / ``psum`` of its gradients). Before, one copy was kept: N× too small."""
+    n = 4
+    bwd = _IDENTICAL_BACKWARDS[name]
+
+    @jax.custom_vjp
+    def through(w):
+        return w
+    through.defvjp(lambda w: (w, w), lambda w, g: (bwd(g, w),))
+
+    def grad(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ through(w)) ** 2))(w)
+    x = np.random.default_rng(0).normal(size=(n, 3, 2)).astype(np.float32)
+    w = np.full((2, 2), 0.5, np.float32)
+    got = rt.replicate(grad, num_replicas=n, axis_name="i", loss_reduction=reduction)(
+        w, rt.PerReplica(list(x)))
+    red = lax.pmean if reduction == "mean" else lax.psum
+    want = jax.pmap(lambda w, x: red(grad(w, x), "i"), "i", in_axes=(None, 0))(w, x)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
