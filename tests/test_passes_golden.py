@@ -266,12 +266,14 @@ F16_MEANS = """func @step(%0: f16[3] varying, %1: f16[3] varying, %2: f16[3] mir
 def test_crs_float16_means_move_below_linear_sums_only():
     """``loss_reduction="mean"`` with float16 gradients: a division reading an all-reduce
     through linear ops (%9 times a mirrored value) moves below it (the all-reduce takes
-    the mean, no division after); a product of two all-reduces (%7 = %3 * %4: not linear)
-    and everything that shares a value with it (%3 also feeds %5) are left as sums with
-    their divisions (before the analysis skipped such a group it raised a TypeError)."""
+    the mean, no division after); %4, read only by its product with %3 (identical on
+    every replica), moves below that product first (``_sink_sums``), so its group takes
+    the mean too; %3, also read by %5 (with the mirrored %2), is left a sum with its
+    division (before the analysis skipped a product of two all-reduces it raised a
+    TypeError)."""
     g = PassManager(parse_pipeline("cross-replica-sum", loss_reduction="mean", num_replicas=4),
                     dump_dir="").run(parse(F16_MEANS))
     reduces = {op.loc.line: op.attr("reduce") for op in g.ops if op.name == "all_reduce"}
-    assert reduces == {1: "sum", 2: "sum", 7: "mean"}, reduces
+    assert reduces == {1: "sum", 2: "mean", 7: "mean"}, reduces
     divided = sorted(op.loc.line for op in g.ops if op.name == "div")
-    assert divided == [4, 6], divided  # (the linear group's division went into %9)
+    assert divided == [4], divided  # (the linear groups' divisions went into the means)

@@ -565,6 +565,13 @@ _ROUNDINGS = {  # name: (loss of (w, x), rows of x per replica, loss reduction)
                          [[1.1], [1.2]], "sum"),
     "f16_slice_sum": (lambda w, x: jnp.sum(w.astype(jnp.float16)[:1] * x.astype(jnp.float16))
                       .astype(jnp.float32), [[20000.0]] * 4, "sum"),
+    "bf16_scaled": (lambda w, x: jnp.sum(w.astype(jnp.bfloat16) * 2 * x.astype(jnp.bfloat16))
+                    .astype(jnp.float32), [[256.0], [1.0]], "mean"),
+    "f16_checkpoint": (lambda w, x: jnp.sum(jax.checkpoint(lambda v, h: h * v)(
+        w.astype(jnp.float16), x.astype(jnp.float16))).astype(jnp.float32), [[20000.0]] * 4, "sum"),
+    "bf16_jit": (lambda w, x: jnp.sum(jax.jit(lambda v, h: h * v)(
+        w.astype(jnp.bfloat16), x.astype(jnp.bfloat16))).astype(jnp.float32),
+        [[256.0], [1.0]], "mean"),
 }
 
 
@@ -575,7 +582,11 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
     cotangent and the replicas' float32 gradients are summed, as pmap code (oracle:
     pmap with ``psum``, then the reduction) and TF compute. Before, the all-reduce ran on
     the low-precision cotangent: in bfloat16 257 rounded to 256 (128.0 where pmap gives
-    128.5), in float16 4 × 20000 overflowed to inf (pmap: 80000)."""
+    128.5), in float16 4 × 20000 overflowed to inf (pmap: 80000). Also with the cast
+    outside a ``jax.checkpoint``/``jax.jit`` layer (jmp's pattern: the sum is returned
+    by the call, then moved out of it), and a constant factor between cast and use.
+    (Not yet: a ``jnp`` function between them, jitted by JAX: ``jnp.pad``, ``cumsum``,
+    ``concatenate``; the sum then stays before that call.)"""
     loss, rows, reduction = _ROUNDINGS[name]
     x = np.asarray(rows, np.float32)
     n, w = len(rows), jnp.ones((2 if "slice" in name else 1,), jnp.float32)

@@ -220,12 +220,14 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
 # there, once after the sum here). So a gradient all-reduce moves below the ops of one
 # operand its result alone feeds that widen, round or shrink it, or only rearrange it
 # (``_SINKS``, a broadcast that adds unit dims, a cast to a narrower float and back, a
-# pad with zeros that a widening cast reads),
+# pad with zeros or an update of zeros that a widening cast reads, a product with a
+# mirrored factor, a select between it and zeros),
 # and below an ``add_any`` of such sums: each replica applies them to its
 # own addend, and the sum follows, in the wider type. Σ_r f(a_r) = f(Σ_r a_r) for these
 # linear maps, so only the rounding changes, to the per-replica program's.
 _SINKS = frozenset({"reduce_sum", "reshape", "transpose", "squeeze", "expand_dims", "copy",
-                    "copy_p", "reduce_precision", "convert_element_type"})
+                    "copy_p", "reduce_precision", "convert_element_type", "slice", "cumsum",
+                    "neg", "rev"})
 _SUMS = frozenset({"add_any", "add"})
 
 
@@ -276,23 +278,73 @@ def _rounds(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool]
 
 
 def _pad_then_widen(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool],
-                    producers: dict[Value, Op]) -> bool:
-    """Is ``op`` a pad with zeros (the transpose of a slice) whose result only a cast to a
-    wider float type reads (``w.astype(float16)[:, :4]`` of a float32 weight)? The sum
-    then follows the cast, on the padded shape."""
+                    producers: dict[Value, Op] | None) -> bool:
+    """Is ``op`` a pad with zeros (the transpose of a slice; its fill checked when
+    ``producers`` is given) whose result only a cast to a wider float type reads
+    (``w.astype(float16)[:, :4]`` of a float32 weight)? The sum then follows the cast, on
+    the padded shape."""
     if not waits(op.results[0]):
         return False
     (back,) = users[op.results[0]]
-    fill = producers.get(op.operands[1])
     return (back.name == "convert_element_type" and _sinks_through(back)
-            and fill is not None and fill.name == "constant"
-            and not np.any(np.asarray(fill.attr("value"))))
+            and (producers is None or _is_zero_constant(op.operands[1], producers)))
 
 
-def _sink_sums(graph: Graph, enclosing: bool) -> Graph:
-    """``graph`` with its gradient all-reduces moved below the ops described above. An
-    all-reduce moves only when the op reading it moves too (so it keeps its place in
-    the program otherwise): found first (``moving``), then the graph rebuilt."""
+#: ops that call their one region on their operands and return its outputs
+#: (``jax.jit``, ``jax.checkpoint``): a gradient sum they return moves out of them
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call", "remat2",
+                    "checkpoint", "remat"})
+
+
+def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
+    """``graph`` with the gradient all-reduces that a call's region returns as they are
+    (the backward pass of ``jax.checkpoint(layer)`` or ``jax.jit(layer)`` applied to a
+    weight cast outside it, jmp's pattern) moved after the call: the region returns the
+    replica's own addend, so the sum can then move below the cast (``_sink_sums``)."""
+    if not any(op.name in _CALLS for op in graph.ops):
+        return graph
+    rw = Rewriter(graph)
+    changed = False
+    for op in graph.ops:
+        body = op.regions[0] if op.name in _CALLS and len(op.regions) == 1 else None
+        if body is None or len(body.outputs) != len(op.results):
+            rw.emit(op)
+            continue
+        inner = transposed(op, enclosing)
+        key = (id(body), inner)  # (a region several calls share: sunk once)
+        if key not in memo:
+            memo[key] = (body, _sink_sums(body, inner, memo))
+        body = memo[key][1]
+        producers, users = body.producers(), body.users()
+        hoisted = {j: producers[v] for j, v in enumerate(body.outputs)
+                   if v in producers and _sinkable_reduce(producers[v], inner)
+                   and not users.get(v) and body.outputs.count(v) == 1}
+        if not hoisted:
+            if body is not op.regions[0]:
+                changed = True
+                rw.emit(op, regions=(body,))
+            else:
+                rw.emit(op)
+            continue
+        changed = True
+        dropped = {id(r) for r in hoisted.values()}
+        body = body.replace(ops=tuple(o for o in body.ops if id(o) not in dropped),
+                            outputs=tuple(hoisted[j].operands[0] if j in hoisted else v
+                                          for j, v in enumerate(body.outputs)))
+        results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in hoisted else r
+                        for j, r in enumerate(op.results))
+        rw.add(op.with_values(tuple(rw.get(v) for v in op.operands), results, (body,)))
+        for j, reduce in sorted(hoisted.items()):
+            rw.add(Op("all_reduce", (results[j],), (op.results[j],), reduce.attrs, op.loc))
+    return rw.finish() if changed else graph
+
+
+def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph:
+    """``graph`` with its gradient all-reduces moved below the ops described above (and
+    out of the calls that return them: ``_hoist_from_calls``). An all-reduce moves only
+    when the op reading it moves too (so it keeps its place in the program otherwise):
+    found first (``moving``), then the graph rebuilt."""
+    graph = _hoist_from_calls(graph, enclosing, {} if memo is None else memo)
     if not any(op.name == "all_reduce" for op in graph.ops):
         return graph
     users, outputs, producers = graph.users(), set(graph.outputs), graph.producers()
@@ -309,6 +361,19 @@ def _sink_sums(graph: Graph, enclosing: bool) -> Graph:
                 len({attrs[v] for v in op.operands}) == 1
         if op.name == "pad":  # (its padding value is a second operand)
             return op.operands[0] in held and _pad_then_widen(op, users, waits, producers)
+        if op.name == "dynamic_update_slice":  # (into zeros: the transpose of a slice)
+            return (op.operands[1] in held and not any(v in held for v in op.operands[2:])
+                    and _is_zero_constant(op.operands[0], producers)
+                    and all(v.type.replica is Replica.MIRRORED for v in op.operands[2:])
+                    and _pad_then_widen(op, users, waits, None))
+        if op.name in ("mul", "div", "select_n"):  # (linear in one operand, the rest mirrored)
+            sides = {"mul": (0, 1), "div": (0,), "select_n": tuple(range(1, len(op.operands)))}
+            mine = [i for i, v in enumerate(op.operands) if v in held]
+            rest = [v for i, v in enumerate(op.operands) if i not in mine]
+            return (len(mine) == 1 and mine[0] in sides[op.name]
+                    and all(v.type.replica is Replica.MIRRORED for v in rest)
+                    and (op.name != "select_n" or all(
+                        _is_zero_constant(v, producers) for v in rest[1:])))
         return len(op.operands) == 1 and (_sinks_through(op) or _rounds(op, users, waits))
 
     # which ops the sums move below, if every sum that can wait does
