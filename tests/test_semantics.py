@@ -492,6 +492,15 @@ def test_gradient_with_allow_int_gives_float0_like_jax_jit():
     assert got_k.dtype == want_k.dtype == jax.dtypes.float0 and got_k.shape == want_k.shape
 
 
+def _identity_with_backward(bwd):
+    """``w -> w`` as a ``custom_vjp`` whose backward function is ``bwd(g, w)``."""
+    @jax.custom_vjp
+    def through(w):
+        return w
+    through.defvjp(lambda w: (w, w), lambda w, g: (bwd(g, w),))
+    return through
+
+
 @pytest.mark.parametrize("policy", [None, "dots_saveable"])
 @pytest.mark.parametrize("name", ["clip", "times_primal"])
 def test_custom_vjp_of_a_mirrored_weight_under_checkpoint(name, policy):
@@ -501,12 +510,7 @@ def test_custom_vjp_of_a_mirrored_weight_under_checkpoint(name, policy):
     first and JAX refused its forward rule's per-replica output ("Custom VJP fwd rule
     ... must produce a pair"), then the staged cast of that output to per-replica."""
     n = 4
-    bwd = _BACKWARDS[name]
-
-    @jax.custom_vjp
-    def through(w):
-        return w
-    through.defvjp(lambda w: (w, w), lambda w, g: (bwd(g, w),))
+    through = _identity_with_backward(_BACKWARDS[name])
     pol = None if policy is None else getattr(jax.checkpoint_policies, policy)
 
     def loss(w, x):
@@ -640,12 +644,7 @@ def test_custom_vjp_backward_identical_on_every_replica_counts_once_per_replica(
     reduction applied, as for any other backward result (oracle: pmap of the same step
     with ``pmean`` / ``psum`` of its gradients). Before, one copy was kept: N× too small."""
     n = 4
-    bwd = _IDENTICAL_BACKWARDS[name]
-
-    @jax.custom_vjp
-    def through(w):
-        return w
-    through.defvjp(lambda w: (w, w), lambda w, g: (bwd(g, w),))
+    through = _identity_with_backward(_IDENTICAL_BACKWARDS[name])
 
     def grad(w, x):
         return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ through(w)) ** 2))(w)
