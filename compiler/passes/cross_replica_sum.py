@@ -300,31 +300,26 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
     """``graph`` with the gradient all-reduces that a call's region returns as they are
     (the backward pass of ``jax.checkpoint(layer)`` or ``jax.jit(layer)`` applied to a
     weight cast outside it, jmp's pattern) moved after the call: the region returns the
-    replica's own addend, so the sum can then move below the cast (``_sink_sums``)."""
+    replica's own addend, so the sum can then move below the cast (``_sink_sums``).
+    (No value is renamed: the call's hoisted results are new values, and the sums after
+    it define the old ones, so every other op stays as it is.)"""
     if not any(op.name in _CALLS for op in graph.ops):
         return graph
-    rw = Rewriter(graph)
+    ops: list[Op] = []
     changed = False
     for op in graph.ops:
         body = op.regions[0] if op.name in _CALLS and len(op.regions) == 1 else None
         if body is None or len(body.outputs) != len(op.results):
-            rw.emit(op)
+            ops.append(op)
             continue
         inner = transposed(op, enclosing)
-        key = (id(body), inner)  # (a region several calls share: sunk once)
+        key = (id(body), inner)  # (a region several calls share: sunk and read once)
         if key not in memo:
-            memo[key] = (body, _sink_sums(body, inner, memo))
-        body = memo[key][1]
-        producers, users = body.producers(), body.users()
-        hoisted = {j: producers[v] for j, v in enumerate(body.outputs)
-                   if v in producers and _sinkable_reduce(producers[v], inner)
-                   and not users.get(v) and body.outputs.count(v) == 1}
+            memo[key] = (body, *_returned_sums(_sink_sums(body, inner, memo), inner))
+        _, body, hoisted = memo[key]
         if not hoisted:
-            if body is not op.regions[0]:
-                changed = True
-                rw.emit(op, regions=(body,))
-            else:
-                rw.emit(op)
+            changed |= body is not op.regions[0]
+            ops.append(op if body is op.regions[0] else op.replace(regions=(body,)))
             continue
         changed = True
         dropped = {id(r) for r in hoisted.values()}
@@ -333,21 +328,39 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
                                           for j, v in enumerate(body.outputs)))
         results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in hoisted else r
                         for j, r in enumerate(op.results))
-        rw.add(op.with_values(tuple(rw.get(v) for v in op.operands), results, (body,)))
-        for j, reduce in sorted(hoisted.items()):
-            rw.add(Op("all_reduce", (results[j],), (op.results[j],), reduce.attrs, op.loc))
-    return rw.finish() if changed else graph
+        ops.append(op.with_values(op.operands, results, (body,)))
+        ops.extend(Op("all_reduce", (results[j],), (op.results[j],), reduce.attrs, op.loc)
+                   for j, reduce in sorted(hoisted.items()))
+    return Graph(graph.inputs, tuple(ops), graph.outputs, graph.name) if changed else graph
+
+
+def _returned_sums(body: Graph, enclosing: bool) -> tuple[Graph, dict[int, Op]]:
+    """``body`` and, by output position, the gradient all-reduces it returns as they are
+    (read by nothing else, returned once)."""
+    if not any(op.name == "all_reduce" for op in body.ops):
+        return body, {}
+    producers, users = body.producers(), body.users()
+    return body, {j: producers[v] for j, v in enumerate(body.outputs)
+                  if v in producers and _sinkable_reduce(producers[v], enclosing)
+                  and not users.get(v) and body.outputs.count(v) == 1}
 
 
 def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph:
     """``graph`` with its gradient all-reduces moved below the ops described above (and
     out of the calls that return them: ``_hoist_from_calls``). An all-reduce moves only
     when the op reading it moves too (so it keeps its place in the program otherwise):
-    found first (``moving``), then the graph rebuilt."""
+    found first (``moving``), then the graph rebuilt (no value renamed: a moved op reads
+    the addends and defines a new one, the sum after it defines the old result)."""
     graph = _hoist_from_calls(graph, enclosing, {} if memo is None else memo)
-    if not any(op.name == "all_reduce" for op in graph.ops):
+    if not any(op.name == "all_reduce" and _sinkable_reduce(op, enclosing) for op in graph.ops):
         return graph
-    users, outputs, producers = graph.users(), set(graph.outputs), graph.producers()
+    users, outputs = graph.users(), set(graph.outputs)
+    made: list = []  # (the producers, made on first need: only zero checks read them)
+
+    def producers() -> dict[Value, Op]:
+        if not made:
+            made.append(graph.producers())
+        return made[0]
 
     def waits(v: Value) -> bool:
         return v not in outputs and len(users.get(v, ())) == 1
@@ -360,10 +373,10 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
             return all(v in held for v in op.operands) and \
                 len({attrs[v] for v in op.operands}) == 1
         if op.name == "pad":  # (its padding value is a second operand)
-            return op.operands[0] in held and _pad_then_widen(op, users, waits, producers)
+            return op.operands[0] in held and _pad_then_widen(op, users, waits, producers())
         if op.name == "dynamic_update_slice":  # (into zeros: the transpose of a slice)
             return (op.operands[1] in held and not any(v in held for v in op.operands[2:])
-                    and _is_zero_constant(op.operands[0], producers)
+                    and _is_zero_constant(op.operands[0], producers())
                     and all(v.type.replica is Replica.MIRRORED for v in op.operands[2:])
                     and _pad_then_widen(op, users, waits, None))
         if op.name in ("mul", "div", "select_n"):  # (linear in one operand, the rest mirrored)
@@ -373,7 +386,7 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
             return (len(mine) == 1 and mine[0] in sides[op.name]
                     and all(v.type.replica is Replica.MIRRORED for v in rest)
                     and (op.name != "select_n" or all(
-                        _is_zero_constant(v, producers) for v in rest[1:])))
+                        _is_zero_constant(v, producers()) for v in rest[1:])))
         return len(op.operands) == 1 and (_sinks_through(op) or _rounds(op, users, waits))
 
     # which ops the sums move below, if every sum that can wait does
@@ -381,11 +394,11 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
     attrs: dict[Value, Any] = {}
     moving: set[int] = set()
     for op in graph.ops:
-        if _sinkable_reduce(op, enclosing):
+        if op.name == "all_reduce" and _sinkable_reduce(op, enclosing):
             if waits(op.results[0]):
                 held.add(op.results[0])
                 attrs[op.results[0]] = op.attrs
-        elif moves(op, held, attrs):
+        elif held and moves(op, held, attrs):
             moving.add(id(op))
             if waits(op.results[0]):
                 held.add(op.results[0])
@@ -396,27 +409,28 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
     def defer(v: Value) -> bool:
         return v in held and id(users[v][0]) in moving
 
-    rw = Rewriter(graph)
-    # a value whose all-reduce waits: (the replica's own addend in the new graph, the
-    # all-reduce to emit below the ops that move)
+    ops: list[Op] = []
+    # a value whose all-reduce waits: (the replica's own addend, the all-reduce to emit
+    # below the ops that move)
     pending: dict[Value, tuple[Value, Op]] = {}
     for op in graph.ops:
-        if _sinkable_reduce(op, enclosing) and defer(op.results[0]):
-            pending[op.results[0]] = (rw.get(op.operands[0]), op)
+        if op.name == "all_reduce" and op.results[0] in held and defer(op.results[0]):
+            pending[op.results[0]] = (op.operands[0], op)
             continue
         if id(op) not in moving:
-            rw.emit(op)
+            ops.append(op)
             continue
         (r,) = op.results
         reduce = next(pending[v][1] for v in op.operands if v in pending)
         addend = Value(r.type.with_replica(Replica.VARYING))
-        rw.add(Op(op.name, tuple(pending.pop(v)[0] if v in pending else rw.get(v)
-                                 for v in op.operands), (addend,), op.attrs, op.loc, (), op.impl))
+        ops.append(Op(op.name, tuple(pending.pop(v)[0] if v in pending else v
+                                     for v in op.operands), (addend,), op.attrs, op.loc, (),
+                      op.impl))
         if defer(r):
             pending[r] = (addend, reduce)
         else:
-            rw.add(reduce.with_values((addend,), (r,)))
-    return rw.finish()
+            ops.append(reduce.with_values((addend,), (r,)))
+    return Graph(graph.inputs, tuple(ops), graph.outputs, graph.name)
 
 
 @dataclass(frozen=True)
