@@ -122,6 +122,13 @@ def _replica_layout(what: str, bind: Callable, args: tuple, params: dict) -> Any
     def annotate(x: Any) -> Any:
         return SHARD.bind(x, sharding=Sharding.replicated(), annotation=what)
 
+    if jc.is_concrete_array(args[0]):
+        # JAX placing a constant the step closes over (an array spread over devices) on
+        # the replica's mesh: it is a constant of the step, identical on every replica.
+        # (Its type, or an annotation, would place it again through this hook: a
+        # RecursionError under jax 0.10, a reshard nothing lowers under 0.11.)
+        consts = jc.host_constants(args)
+        return consts if what == "jax.device_put" else consts[0]
     if what == "jax.device_put":
         outs = []
         for x, dst in zip(args, params.get("devices", (None,) * len(args))):

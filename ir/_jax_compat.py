@@ -554,15 +554,7 @@ def install_layout_hook() -> None:
 
         def bind(*args, _orig=prim.bind, _what=what, **params):
             hook = LAYOUT_HOOK.get()
-            if hook is None:
-                return _orig(*args, **params)
-            # (unhooked inside: the hook reading a value's type may place it itself, as
-            # ``jax.typeof`` of a constant spread over devices does)
-            token = LAYOUT_HOOK.set(None)
-            try:
-                return hook(_what, _orig, args, params)
-            finally:
-                LAYOUT_HOOK.reset(token)
+            return _orig(*args, **params) if hook is None else hook(_what, _orig, args, params)
         bind._replicate_hlo = True
         prim.bind = bind
 
@@ -591,6 +583,23 @@ def install_varying_sources() -> None:
             return [to_varying(o, axes) for o in out] if _multiple else to_varying(out, axes)
         bind._replicate_hlo = True
         prim.bind = bind
+
+
+def is_concrete_array(x: Any) -> bool:
+    """Is ``x`` a ``jax.Array`` with a value (not a tracer)?"""
+    return isinstance(x, jax.Array) and not isinstance(x, _core.Tracer)
+
+
+def host_constants(arrays: Sequence[Any]) -> list:
+    """Concrete ``arrays`` (spread over any devices) as arrays on this process's first
+    device, made outside the current trace and any layout hook: constants a trace can
+    hold without placing them."""
+    token = LAYOUT_HOOK.set(None)
+    try:
+        with _core.eval_context():
+            return [jax.device_put(np.asarray(x), jax.local_devices()[0]) for x in arrays]
+    finally:
+        LAYOUT_HOOK.reset(token)
 
 
 def eager_constant_folding(on: bool):
