@@ -1403,13 +1403,22 @@ def grad_mode(mode: str):
     return _grad_mode_state()(mode)
 
 
-def _varying_seed(c: Any, axes: frozenset) -> Any:
-    """The cotangent seed ``c`` varying over ``axes`` too (values unchanged); ``c`` as it
-    is when it is not an array JAX can type (its own error then names it)."""
+def _seed_for(c: Any, axes: frozenset) -> Any:
+    """The cotangent seed ``c`` typed as its output, which varies over ``axes``:
+    - a seed identical on every replica for a per-replica output (pmap code's ``pb(2.0)``)
+      is that value on each replica: cast, values unchanged;
+    - a per-replica seed for an output identical on every replica (``jax.vjp(f, w)`` of a
+      mirrored ``w``, pulled back with the replica's data) is one seed of the global
+      program, the sum of the replicas': given as their mean, an identical seed, which
+      the pullback counts once per replica (``compiler.trace._pullback``).
+    ``c`` as it is when it is not an array JAX can type (its own error then names it)."""
     try:
-        missing = axes - varying_axes(jax.typeof(c))
+        have = varying_axes(jax.typeof(c))
     except TypeError:
         return c
+    missing, extra = axes - have, have - axes
+    if extra:
+        c = jax.lax.pmean(c, tuple(sorted(extra)))
     return to_varying(c, missing) if missing else c
 
 
@@ -1446,8 +1455,7 @@ def install_vjp_hook(policy: Any) -> None:
         out_varying = [varying_axes(a) for a in out_primal_avals]
         # a seed identical on every replica for a per-replica output (pmap code's
         # ``pb(1.0)``) is that value on each replica: cast, as JAX casts a mirrored operand
-        cts = [c if is_zero(c) or not out_varying[i] else _varying_seed(c, out_varying[i])
-               for i, c in enumerate(cts)]
+        cts = [c if is_zero(c) else _seed_for(c, out_varying[i]) for i, c in enumerate(cts)]
         # 0.11.2's jaxpr takes the residuals first, then one input per primal leaf
         in_varying = [varying_axes(v.aval) for v in jaxpr.invars[-args[0].num_leaves:]] \
             if args[0].num_leaves else []

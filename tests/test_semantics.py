@@ -655,3 +655,24 @@ def test_custom_vjp_backward_identical_on_every_replica_counts_once_per_replica(
     red = lax.pmean if reduction == "mean" else lax.psum
     want = jax.pmap(lambda w, x: red(grad(w, x), "i"), "i", in_axes=(None, 0))(w, x)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_vjp_of_a_mirrored_function_seeded_per_replica(reduction):
+    """``jax.vjp(f, w)`` of a mirrored ``w`` (its output identical on every replica) pulled
+    back with the replica's own data: the global program's seed is the replicas' sum, and
+    the gradient of ``w`` is reduced as ``loss_reduction`` says (oracle: pmap with
+    ``pmean`` / ``psum`` of the per-replica pullbacks). Before, JAX refused the seed's
+    type (``expected float32[2,2]``, got a per-replica one)."""
+    n = 4
+    x = np.random.default_rng(0).normal(size=(n, 2, 2)).astype(np.float32)
+    w = np.ones((2, 2), np.float32)
+
+    def pull(w, x):
+        _, vjp = jax.vjp(jnp.tanh, w)
+        return vjp(x)[0]
+    got = rt.replicate(pull, num_replicas=n, loss_reduction=reduction)(w, rt.PerReplica(list(x)))
+    assert not isinstance(got, rt.PerReplica)
+    red = lax.pmean if reduction == "mean" else lax.psum
+    want = jax.pmap(lambda w, x: red(pull(w, x), "i"), "i", in_axes=(None, 0))(w, x)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
