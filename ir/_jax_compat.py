@@ -1510,6 +1510,7 @@ def _install_linear_transpose_hook(api: Any, state: Any) -> None:
             cts, ct_tree = jax.tree_util.tree_flatten(out_cotangent)
             if len(cts) != len(out_varying):  # a malformed cotangent: JAX's own error
                 return transposed(out_cotangent)
+            cts = [_seed_for(c, axes) for c, axes in zip(cts, out_varying)]
             back = {}
 
             def run(new_cts):

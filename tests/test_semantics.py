@@ -658,17 +658,21 @@ def test_custom_vjp_backward_identical_on_every_replica_counts_once_per_replica(
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_vjp_of_a_mirrored_function_seeded_per_replica(reduction):
-    """``jax.vjp(f, w)`` of a mirrored ``w`` (its output identical on every replica) pulled
-    back with the replica's own data: the global program's seed is the replicas' sum, and
-    the gradient of ``w`` is reduced as ``loss_reduction`` says (oracle: pmap with
-    ``pmean`` / ``psum`` of the per-replica pullbacks). Before, JAX refused the seed's
-    type (``expected float32[2,2]``, got a per-replica one)."""
+@pytest.mark.parametrize("how", ["vjp", "linear_transpose"])
+def test_vjp_of_a_mirrored_function_seeded_per_replica(how, reduction):
+    """``jax.vjp(f, w)`` (or ``jax.linear_transpose``) of a mirrored ``w`` (its output
+    identical on every replica) pulled back with the replica's own data: the global
+    program's seed is the replicas' sum, and the gradient of ``w`` is reduced as
+    ``loss_reduction`` says (oracle: pmap with ``pmean`` / ``psum`` of the per-replica
+    pullbacks). Before, JAX refused the seed's type (``expected float32[2,2]``, got a
+    per-replica one)."""
     n = 4
     x = np.random.default_rng(0).normal(size=(n, 2, 2)).astype(np.float32)
     w = np.ones((2, 2), np.float32)
 
     def pull(w, x):
+        if how == "linear_transpose":
+            return jax.linear_transpose(lambda v: 2.0 * v, w)(x)[0]
         _, vjp = jax.vjp(jnp.tanh, w)
         return vjp(x)[0]
     got = rt.replicate(pull, num_replicas=n, loss_reduction=reduction)(w, rt.PerReplica(list(x)))
