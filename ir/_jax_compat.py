@@ -1453,8 +1453,8 @@ def install_vjp_hook(policy: Any) -> None:
         if len(cts) != len(out_primal_avals):  # a malformed seed: JAX's own error
             return orig(*args)
         out_varying = [varying_axes(a) for a in out_primal_avals]
-        # a seed identical on every replica for a per-replica output (pmap code's
-        # ``pb(1.0)``) is that value on each replica: cast, as JAX casts a mirrored operand
+        # (each seed typed as its output: a constant for a per-replica one, pmap code's
+        # ``pb(1.0)``, and a per-replica seed for an identical one: ``_seed_for``)
         cts = [c if is_zero(c) else _seed_for(c, out_varying[i]) for i, c in enumerate(cts)]
         # 0.11.2's jaxpr takes the residuals first, then one input per primal leaf
         in_varying = [varying_axes(v.aval) for v in jaxpr.invars[-args[0].num_leaves:]] \

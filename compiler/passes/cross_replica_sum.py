@@ -65,6 +65,19 @@ def transposed(op: Op, enclosing: bool) -> bool:
     return enclosing or "transpose(" in stack
 
 
+def is_zero(v: Value, producers: dict[Value, Op]) -> bool:
+    """Is ``v`` a constant zero, broadcast, converted or reshaped (``producers``: the op
+    making each value)? Also asked by ``hoist-collectives`` and the padding pass (a zero a
+    scatter adds into)."""
+    op = producers.get(v)
+    while op is not None and op.name in ("broadcast_in_dim", "convert_element_type", "reshape"):
+        op = producers.get(op.operands[0])
+    if op is None or op.name != "constant":
+        return False
+    val = np.asarray(op.attr("value"))
+    return val.dtype != object and not np.any(val)
+
+
 @functools.cache
 def _primitive(name: str) -> tuple[Any, tuple[tuple[str, Any], ...]]:
     """JAX's ``mul`` / ``div`` primitive and the parameters it is bound with (they change
@@ -145,7 +158,7 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
         if _mean_candidate(p, enclosing):
             out = True
         elif p.name in _LINEAR_UNARY or (p.name in _LINEAR_ZERO_REST and all(
-                _is_zero_constant(u, producers) for u in p.operands[1:])):
+                is_zero(u, producers) for u in p.operands[1:])):
             out = _holds_reduce(p.operands[0], producers, enclosing, memo, depth + 1)
         elif p.name == "select_n":  # (linear in the cases; the predicate picks)
             out = any(_holds_reduce(u, producers, enclosing, memo, depth + 1)
@@ -157,17 +170,17 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
     return out
 
 
-def _is_zero_constant(v: Value, producers: dict[Value, Op]) -> bool:
-    p = producers.get(v)
-    return p is not None and p.name == "constant" and not np.any(np.asarray(p.attr("value")))
+def _gradient_sum(op: Op, enclosing: bool) -> bool:
+    """An all-reduce sum of one value of static shape, made by transposition."""
+    return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
+            and transposed(op, enclosing)
+            and all(isinstance(d, int) for d in op.operands[0].type.shape))
 
 
 def _mean_candidate(op: Op, enclosing: bool) -> bool:
     """A gradient all-reduce sum of one static float value (``_half_means``)."""
-    return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
-            and transposed(op, enclosing)
-            and jc.dtype_from_name(op.operands[0].type.dtype).kind == "f"
-            and all(isinstance(d, int) for d in op.operands[0].type.shape))
+    return _gradient_sum(op, enclosing) and \
+        jc.dtype_from_name(op.operands[0].type.dtype).kind == "f"
 
 
 def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Value], bool],
@@ -246,11 +259,10 @@ def _float_dtype(name: str) -> Any:
 
 
 def _sinkable_reduce(op: Op, enclosing: bool) -> bool:
-    """A gradient all-reduce sum of one static float value, over the replicas only."""
-    return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
-            and not op.attr("axis_index_groups") and transposed(op, enclosing)
-            and _float_dtype(op.operands[0].type.dtype) is not None
-            and all(isinstance(d, int) for d in op.operands[0].type.shape))
+    """A gradient all-reduce sum of one static float value (bfloat16 and float8 too), over
+    the replicas only (``_sink_sums``)."""
+    return (_gradient_sum(op, enclosing) and not op.attr("axis_index_groups")
+            and _float_dtype(op.operands[0].type.dtype) is not None)
 
 
 def _sinks_through(op: Op) -> bool:
@@ -277,17 +289,15 @@ def _rounds(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool]
             and c.itemsize >= a.itemsize)
 
 
-def _pad_then_widen(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool],
-                    producers: dict[Value, Op] | None) -> bool:
-    """Is ``op`` a pad with zeros (the transpose of a slice; its fill checked when
-    ``producers`` is given) whose result only a cast to a wider float type reads
-    (``w.astype(float16)[:, :4]`` of a float32 weight)? The sum then follows the cast, on
-    the padded shape."""
+def _widened_alone(op: Op, users: dict[Value, list[Op]],
+                   waits: Callable[[Value], bool]) -> bool:
+    """Does only a cast to a wider float type read ``op``'s result? (A pad or an update of
+    zeros, the transpose of a slice, grows the sum: it moves below one only to follow
+    that cast, ``w.astype(float16)[:, :4]`` of a float32 weight.)"""
     if not waits(op.results[0]):
         return False
     (back,) = users[op.results[0]]
-    return (back.name == "convert_element_type" and _sinks_through(back)
-            and (producers is None or _is_zero_constant(op.operands[1], producers)))
+    return back.name == "convert_element_type" and _sinks_through(back)
 
 
 #: ops that call their one region on their operands and return its outputs
@@ -313,9 +323,10 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
             ops.append(op)
             continue
         inner = transposed(op, enclosing)
-        key = (id(body), inner)  # (a region several calls share: sunk and read once)
-        if key not in memo:
-            memo[key] = (body, *_returned_sums(_sink_sums(body, inner, memo), inner))
+        key = (id(body), inner)  # (a region several calls share: sunk and read once;
+        if key not in memo:      # the entry holds the region, so its id stays its own)
+            sunk = _sink_sums(body, inner, memo)
+            memo[key] = (body, sunk, _returned_sums(sunk, inner))
         _, body, hoisted = memo[key]
         if not hoisted:
             changed |= body is not op.regions[0]
@@ -334,13 +345,13 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
     return Graph(graph.inputs, tuple(ops), graph.outputs, graph.name) if changed else graph
 
 
-def _returned_sums(body: Graph, enclosing: bool) -> tuple[Graph, dict[int, Op]]:
-    """``body`` and, by output position, the gradient all-reduces it returns as they are
-    (read by nothing else, returned once)."""
+def _returned_sums(body: Graph, enclosing: bool) -> dict[int, Op]:
+    """By output position, the gradient all-reduces ``body`` returns as they are (read by
+    nothing else, returned once)."""
     if not any(op.name == "all_reduce" for op in body.ops):
-        return body, {}
+        return {}
     producers, users = body.producers(), body.users()
-    return body, {j: producers[v] for j, v in enumerate(body.outputs)
+    return {j: producers[v] for j, v in enumerate(body.outputs)
                   if v in producers and _sinkable_reduce(producers[v], enclosing)
                   and not users.get(v) and body.outputs.count(v) == 1}
 
@@ -373,12 +384,13 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
             return all(v in held for v in op.operands) and \
                 len({attrs[v] for v in op.operands}) == 1
         if op.name == "pad":  # (its padding value is a second operand)
-            return op.operands[0] in held and _pad_then_widen(op, users, waits, producers())
+            return (op.operands[0] in held and is_zero(op.operands[1], producers())
+                    and _widened_alone(op, users, waits))
         if op.name == "dynamic_update_slice":  # (into zeros: the transpose of a slice)
             return (op.operands[1] in held and not any(v in held for v in op.operands[2:])
-                    and _is_zero_constant(op.operands[0], producers())
+                    and is_zero(op.operands[0], producers())
                     and all(v.type.replica is Replica.MIRRORED for v in op.operands[2:])
-                    and _pad_then_widen(op, users, waits, None))
+                    and _widened_alone(op, users, waits))
         if op.name in ("mul", "div", "select_n"):  # (linear in one operand, the rest mirrored)
             sides = {"mul": (0, 1), "div": (0,), "select_n": tuple(range(1, len(op.operands)))}
             mine = [i for i, v in enumerate(op.operands) if v in held]
@@ -386,7 +398,7 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
             return (len(mine) == 1 and mine[0] in sides[op.name]
                     and all(v.type.replica is Replica.MIRRORED for v in rest)
                     and (op.name != "select_n" or all(
-                        _is_zero_constant(v, producers()) for v in rest[1:])))
+                        is_zero(v, producers()) for v in rest[1:])))
         return len(op.operands) == 1 and (_sinks_through(op) or _rounds(op, users, waits))
 
     # which ops the sums move below, if every sum that can wait does

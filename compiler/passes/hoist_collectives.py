@@ -42,10 +42,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from compiler.errors import DivergentCollectiveError
-from compiler.passes.cross_replica_sum import transposed
+from compiler.passes.cross_replica_sum import is_zero, transposed
 from compiler.passes.replication import annotate
 from ir.graph import Graph, Op, RegionMemo, Rewriter, Value
 from ir.ops import COLLECTIVES  # (ops that talk to other replicas over the replica axis)
@@ -180,18 +178,6 @@ def _inline_calls(graph: Graph) -> Graph:
         else:
             rw.emit(op)
     return rw.finish()
-
-
-def is_zero(v: Value, producers: dict[Value, Op]) -> bool:
-    """Is ``v`` a constant zero, broadcast, converted or reshaped (``producers``: the op
-    making each value)? The padding pass asks it too (a zero a scatter adds into)."""
-    op = producers.get(v)
-    while op is not None and op.name in ("broadcast_in_dim", "convert_element_type", "reshape"):
-        op = producers.get(op.operands[0])
-    if op is None or op.name != "constant":
-        return False
-    val = np.asarray(op.attr("value"))
-    return val.dtype != object and not np.any(val)
 
 
 def _collective_dependents(g: Graph) -> set[Value]:

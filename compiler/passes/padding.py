@@ -64,7 +64,7 @@ from jax import lax
 
 from compiler.errors import PassError
 from compiler.lower import CALL_LIKE, rule
-from compiler.passes.hoist_collectives import is_zero
+from compiler.passes.cross_replica_sum import is_zero
 from ir import _jax_compat as jc
 from ir.graph import Graph, Op, Opaque, Value
 from ir.jaxpr_import import import_jaxpr

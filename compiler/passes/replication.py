@@ -5,8 +5,9 @@ A value is ``mirrored`` when it is provably identical on every replica: mirrored
 constants, the results of ``all_reduce``/``all_gather``, and the results of ops known
 to be pure functions of their operands (``PURE``) when every operand is mirrored.
 ``replica_id``, per-replica inputs and the results of ``ppermute``, ``psum_scatter``,
-``all_to_all``, ``io_callback`` and ``rng_uniform`` are ``varying``. Any other op is varying unless JAX's own trace typed its
-result invariant (JAX's varying-type system is sound, so that is a proof); an op parsed
+``all_to_all``, ``io_callback`` and ``rng_uniform`` are ``varying``. Any other op is
+varying unless JAX's own trace typed its result invariant (JAX's varying-type system is
+sound for pure ops, so that is a proof); an op parsed
 from text without that record is varying. Inputs whose variance is unknown count as
 varying. The runtime returns mirrored outputs as one array. Per-op rules are in ``RULES``;
 ops with regions use ``_region_rule``.
