@@ -549,14 +549,23 @@ def install_layout_hook() -> None:
     for prim, what in ((pjit.sharding_constraint_p, "with_sharding_constraint"),
                        (pjit.reshard_p, "jax.sharding.reshard"),
                        (dispatch.device_put_p, "jax.device_put")):
-        if getattr(prim.bind, "_replicate_hlo", False):
-            continue
-
-        def bind(*args, _orig=prim.bind, _what=what, **params):
+        def bind(orig, *args, _what=what, **params):
             hook = LAYOUT_HOOK.get()
-            return _orig(*args, **params) if hook is None else hook(_what, _orig, args, params)
-        bind._replicate_hlo = True
-        prim.bind = bind
+            return orig(*args, **params) if hook is None else hook(_what, orig, args, params)
+        _wrap_bind(prim, bind)
+
+
+def _wrap_bind(prim: Any, bind: Any) -> None:
+    """Route ``prim.bind`` through ``bind(orig_bind, *args, **params)`` (once: a primitive
+    already wrapped is left as it is)."""
+    if getattr(prim.bind, "_replicate_hlo", False):
+        return
+    orig = prim.bind
+
+    def wrapped(*args, **params):
+        return bind(orig, *args, **params)
+    wrapped._replicate_hlo = True
+    prim.bind = wrapped
 
 
 # Ops whose results differ between replicas even when their operands do not: a host
@@ -572,17 +581,13 @@ def install_varying_sources() -> None:
     from jax._src.lax import lax as jlax
     state = _grad_mode_state()
     for prim in (callback.io_callback_p, jlax.rng_uniform_p):
-        if getattr(prim.bind, "_replicate_hlo", False):
-            continue
-
-        def bind(*args, _orig=prim.bind, _multiple=prim.multiple_results, **params):
-            out = _orig(*args, **params)
+        def bind(orig, *args, _multiple=prim.multiple_results, **params):
+            out = orig(*args, **params)
             axes = _mesh_axis_names() if state.value != "off" else frozenset()
             if not axes:
                 return out
             return [to_varying(o, axes) for o in out] if _multiple else to_varying(out, axes)
-        bind._replicate_hlo = True
-        prim.bind = bind
+        _wrap_bind(prim, bind)
 
 
 def is_concrete_array(x: Any) -> bool:
@@ -1784,20 +1789,17 @@ def _install_idempotent_pvary() -> None:
     """While a replica is traced, ``pvary`` over axes its operand varies over already
     casts over the others only (the identity when none is left): see the comment above."""
     from jax._src import core as jcore
-    prim, state = jcore.pvary_p, _grad_mode_state()
-    if getattr(prim.bind, "_replicate_hlo", False):
-        return
+    state = _grad_mode_state()
 
-    def bind(x, *, _orig=prim.bind, axes, **params):
+    def bind(orig, x, *, axes, **params):
         if state.value != "off" and isinstance(axes, tuple):
             have = varying_axes(jax.typeof(x))
             if have.intersection(axes):
                 axes = tuple(a for a in axes if a not in have)
                 if not axes:
                     return x
-        return _orig(x, axes=axes, **params)
-    bind._replicate_hlo = True
-    prim.bind = bind
+        return orig(x, axes=axes, **params)
+    _wrap_bind(jcore.pvary_p, bind)
 
 
 def _varying_aval(aval: Any, axes: frozenset) -> Any:
