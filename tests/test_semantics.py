@@ -421,7 +421,7 @@ def test_gradient_through_a_per_example_branch_under_vmap(kind):
 
 
 @pytest.mark.parametrize("case", ["plain", "regularized", "used_twice", "shared_regularizer",
-                                  "sliced"])
+                                  "sliced", "jnp_where", "jnp_pad", "concat", "dynamic_slice"])
 def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
     """A float16 weight under a 2**15 loss scale on 4 replicas: each replica's gradient
     (and the mean) is finite, the sum of four is not. The gradient all-reduce takes the
@@ -430,22 +430,29 @@ def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
     the loss scale on a regularizer of two weights (haiku's ImageNet example with
     weight decay), the sum over replicas of its seed (4 x 32768) overflowed before it
     met the weights: the mean is taken there too. A sliced weight's gradient is the
-    sum padded with zeros (the transpose of the slice): the mean moves below the pad.
-    (A weight whose gradient comes out of a nested ``jit``, ``jnp.where``'s, is not yet
-    covered: its sum is in the called function.)"""
+    sum padded with zeros (the transpose of the slice): the mean moves below the pad,
+    below an update of zeros (a ``dynamic_slice``'s), a split (a ``concatenate``'s) and
+    through a ``jnp`` function JAX jits (``jnp.where``, ``jnp.pad``: the call is inlined;
+    before, these kept the float16 sum: inf)."""
     n = 4
+    uses = {"used_twice": lambda x, w: x * w + 0.5 * (x * w),
+            "sliced": lambda x, w: x * w[:3],
+            "jnp_where": lambda x, w: x * jnp.where(jnp.arange(3) < 2, w, jnp.float16(0)),
+            "jnp_pad": lambda x, w: x * jnp.pad(w, (0, 1))[1:],
+            "concat": lambda x, w: x * jnp.concatenate([w, w])[2:5],
+            "dynamic_slice": lambda x, w: x * lax.dynamic_slice_in_dim(w, 1, 3)}
 
     def loss(p, x):
         w, v = p
-        y = x * w if case not in ("used_twice", "sliced") else \
-            x * w[:3] if case == "sliced" else x * w + 0.5 * (x * w)
+        y = uses.get(case, lambda x, w: x * w)(x, w)
         total = jnp.mean(y) + jnp.mean(x * v)
         if case == "regularized":
             total = total + jnp.sum(w * w) * jnp.float16(1e-3)
         if case == "shared_regularizer":
             total = total + (jnp.sum(w * w) + jnp.sum(v * v)) * jnp.float16(1e-3)
         return total * jnp.float16(2.0 ** 15)
-    p = (jnp.ones((4 if case == "sliced" else 3,), jnp.float16), jnp.full((3,), 0.5, jnp.float16))
+    p = (jnp.ones((4 if case in ("sliced", "dynamic_slice") else 3,), jnp.float16),
+         jnp.full((3,), 0.5, jnp.float16))
     x = np.full((8, 3), 1.5 if case != "used_twice" else 1.0, np.float16)
     got = rt.replicate(lambda p, x: jax.grad(loss)(p, x), num_replicas=n)(p, rt.distribute(x, n))
     want = jax.jit(jax.grad(loss))(p, x)
@@ -576,6 +583,21 @@ _ROUNDINGS = {  # name: (loss of (w, x), rows of x per replica, loss reduction)
     "bf16_jit": (lambda w, x: jnp.sum(jax.jit(lambda v, h: h * v)(
         w.astype(jnp.bfloat16), x.astype(jnp.bfloat16))).astype(jnp.float32),
         [[256.0], [1.0]], "mean"),
+    # a jnp function (jitted by JAX) or a concatenate between the cast and its use
+    "bf16_concat": (lambda w, x: jnp.sum(jnp.concatenate(
+        [w.astype(jnp.bfloat16), w.astype(jnp.bfloat16)])[:1] * x.astype(jnp.bfloat16))
+        .astype(jnp.float32), [[256.0], [1.0]], "mean"),
+    "f16_concat_twice_sum": (lambda w, x: jnp.sum(jnp.concatenate(
+        [w.astype(jnp.float16)] * 2) * x.astype(jnp.float16)).astype(jnp.float32),
+        [[20000.0]] * 4, "sum"),
+    "f16_jnp_pad_sum": (lambda w, x: jnp.sum(jnp.pad(w.astype(jnp.float16), (0, 1))[:1]
+                                             * x.astype(jnp.float16)).astype(jnp.float32),
+                        [[20000.0]] * 4, "sum"),
+    "f16_where_sum": (lambda w, x: jnp.sum(jnp.where(x > 0, w.astype(jnp.float16),
+                                                     jnp.float16(0)) * x.astype(jnp.float16))
+                      .astype(jnp.float32), [[20000.0]] * 4, "sum"),
+    "bf16_cumsum": (lambda w, x: jnp.sum(jnp.cumsum(w.astype(jnp.bfloat16)) * x.astype(
+        jnp.bfloat16)).astype(jnp.float32), [[256.0], [1.0]], "mean"),
 }
 
 
@@ -588,9 +610,10 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
     the low-precision cotangent: in bfloat16 257 rounded to 256 (128.0 where pmap gives
     128.5), in float16 4 × 20000 overflowed to inf (pmap: 80000). Also with the cast
     outside a ``jax.checkpoint``/``jax.jit`` layer (jmp's pattern: the sum is returned
-    by the call, then moved out of it), and a constant factor between cast and use.
-    (Not yet: a ``jnp`` function between them, jitted by JAX: ``jnp.pad``, ``cumsum``,
-    ``concatenate``; the sum then stays before that call.)"""
+    by the call, then moved out of it), a constant factor between cast and use, and a
+    ``jnp`` function there, jitted by JAX (``jnp.pad``, ``where``, ``cumsum``: the call is
+    inlined), or a ``concatenate`` (its transpose splits the sum; before, each of those
+    kept the sum in the narrow type). (Not yet: a ``lax.scan`` between them.)"""
     loss, rows, reduction = _ROUNDINGS[name]
     x = np.asarray(rows, np.float32)
     n, w = len(rows), jnp.ones((2 if "slice" in name else 1,), jnp.float32)

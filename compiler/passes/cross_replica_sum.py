@@ -140,6 +140,15 @@ _LINEAR_UNARY = frozenset({"convert_element_type", "reduce_sum", "reshape", "tra
 #: ops linear in their first operand when every other one is a zero constant (a pad's
 #: fill, the transpose of a slice: x/N padded with zeros is (x padded)/N)
 _LINEAR_ZERO_REST = frozenset({"pad"})
+
+
+def _updates_zeros(op: Op, producers: dict[Value, Op]) -> bool:
+    """Is ``op`` an update of zeros at indices identical on every replica (the transpose
+    of a ``dynamic_slice``: linear in the update)?"""
+    return (op.name == "dynamic_update_slice" and is_zero(op.operands[0], producers)
+            and all(v.type.replica is Replica.MIRRORED for v in op.operands[2:]))
+
+
 #: ops linear in every operand: each must be made of such all-reduces
 _LINEAR_SUMS = frozenset({"add_any", "add", "sub", "concatenate"})
 #: ops linear in one operand (``div``: its numerator), the other a factor
@@ -154,12 +163,15 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
         return memo[v]
     p = producers.get(v)
     out = False
-    if p is not None and len(p.results) == 1 and depth < 512:
+    if p is not None and (len(p.results) == 1 or p.name == "split") and depth < 512:
         if _mean_candidate(p, enclosing):
             out = True
-        elif p.name in _LINEAR_UNARY or (p.name in _LINEAR_ZERO_REST and all(
-                is_zero(u, producers) for u in p.operands[1:])):
+        elif p.name in _LINEAR_UNARY or p.name == "split" or (
+                p.name in _LINEAR_ZERO_REST and all(
+                    is_zero(u, producers) for u in p.operands[1:])):
             out = _holds_reduce(p.operands[0], producers, enclosing, memo, depth + 1)
+        elif _updates_zeros(p, producers):
+            out = _holds_reduce(p.operands[1], producers, enclosing, memo, depth + 1)
         elif p.name == "select_n":  # (linear in the cases; the predicate picks)
             out = any(_holds_reduce(u, producers, enclosing, memo, depth + 1)
                       for u in p.operands[1:])
@@ -198,7 +210,7 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
         v, reader, pos = stack.pop()
         p = producers.get(v)
         readers[id(reader)] = reader
-        if p is None or len(p.results) != 1 or not holds_reduce(v):
+        if p is None or (len(p.results) != 1 and p.name != "split") or not holds_reduce(v):
             others.add((id(reader), pos))
             continue
         if v in inside:
@@ -206,8 +218,10 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
         inside[v] = p
         if _mean_candidate(p, enclosing):
             reduces[id(p)] = p
-        elif p.name in _LINEAR_UNARY or p.name in _LINEAR_ZERO_REST:  # (zeros: as they are)
-            stack.append((p.operands[0], p, 0))
+        elif p.name in _LINEAR_UNARY or p.name in _LINEAR_ZERO_REST or p.name == "split":
+            stack.append((p.operands[0], p, 0))  # (zeros: as they are)
+        elif p.name == "dynamic_update_slice":  # (into zeros: ``_holds_reduce``)
+            stack.append((p.operands[1], p, 1))
         elif p.name == "select_n":  # the cases, each divided or holding a mean
             stack.extend((u, p, i) for i, u in enumerate(p.operands) if i > 0)
         elif p.name in _LINEAR_SUMS:
@@ -233,8 +247,9 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
 # there, once after the sum here). So a gradient all-reduce moves below the ops of one
 # operand its result alone feeds that widen, round or shrink it, or only rearrange it
 # (``_SINKS``, a broadcast that adds unit dims, a cast to a narrower float and back, a
-# pad with zeros or an update of zeros that a widening cast reads, a product with a
-# mirrored factor, a select between it and zeros),
+# pad with zeros, an update of zeros or a split that a widening cast reads, a product
+# with a mirrored factor, a select between it and zeros; a ``jax.jit`` call that reads
+# a narrow sum is inlined first, as ``jnp.pad`` and ``jnp.where`` are),
 # and below an ``add_any`` of such sums: each replica applies them to its
 # own addend, and the sum follows, in the wider type. Σ_r f(a_r) = f(Σ_r a_r) for these
 # linear maps, so only the rounding changes, to the per-replica program's.
@@ -289,15 +304,44 @@ def _rounds(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool]
             and c.itemsize >= a.itemsize)
 
 
-def _widened_alone(op: Op, users: dict[Value, list[Op]],
-                   waits: Callable[[Value], bool]) -> bool:
-    """Does only a cast to a wider float type read ``op``'s result? (A pad or an update of
-    zeros, the transpose of a slice, grows the sum: it moves below one only to follow
-    that cast, ``w.astype(float16)[:, :4]`` of a float32 weight.)"""
-    if not waits(op.results[0]):
-        return False
-    (back,) = users[op.results[0]]
-    return back.name == "convert_element_type" and _sinks_through(back)
+def _widened_alone(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool],
+                   producers: Callable[[], dict[Value, Op]]) -> bool:
+    """Does every result of ``op`` reach a cast to a wider float type through ops that
+    only rearrange it (``_REARRANGES``, a ``split``, a pad with zeros, an update of zeros,
+    an ``add_any``; each result read once)? (A pad or an update of zeros, the transpose of a slice, grows
+    the sum, and a ``split``, the transpose of a ``concatenate``, makes one sum several:
+    a sum moves below them only to follow such a cast: ``w.astype(float16)[:, :4]``,
+    ``jnp.concatenate([w.astype(bfloat16)] * 2)`` of a float32 weight.)"""
+    for v in op.results:
+        while True:
+            if not waits(v):
+                return False
+            (u,) = users[v]
+            if u.name == "convert_element_type":
+                if not _sinks_through(u):
+                    return False
+                break
+            if u.name == "split":
+                if not _widened_alone(u, users, waits, producers):
+                    return False
+                break
+            if u.name in _REARRANGES or u.name in _SUMS or (
+                    u.name == "broadcast_in_dim" and _sinks_through(u)):
+                pass  # (a sum: ``moves`` asks that a sum of the same kind is each addend)
+            elif u.name == "pad" and u.operands[0] is v and is_zero(u.operands[1], producers()):
+                pass
+            elif u.name == "dynamic_update_slice" and u.operands[1] is v and \
+                    _updates_zeros(u, producers()):
+                pass
+            else:
+                return False
+            v = u.results[0]
+    return True
+
+
+#: ops that only move, keep or drop a value's elements (``_widened_alone``)
+_REARRANGES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
+                         "slice", "rev"})
 
 
 #: ops that call their one region on their operands and return its outputs
@@ -356,6 +400,65 @@ def _returned_sums(body: Graph, enclosing: bool) -> dict[int, Op]:
                   and not users.get(v) and body.outputs.count(v) == 1}
 
 
+#: calls inlined where they read a narrow gradient sum (``_inline_narrow_sum_calls``)
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _narrow_sum(op: Op, enclosing: bool) -> bool:
+    """A gradient all-reduce of a float type narrower than float32 (``_sinkable_reduce``)."""
+    return (op.name == "all_reduce" and _sinkable_reduce(op, enclosing)
+            and _float_dtype(op.operands[0].type.dtype).itemsize < 4)
+
+
+def _inline_narrow_sum_calls(graph: Graph, enclosing: bool) -> Graph:
+    """``graph`` with the calls (``jax.jit``: ``jnp.pad``, ``jnp.where``, ``jnp.cumsum``
+    are jitted functions) that read a value computed from a bfloat16/float16/float8
+    gradient all-reduce inlined, nested ones too: their sum can then move below what the
+    call does with it to the widening cast after it (``_sink_sums``), or take its mean
+    (``_half_means``); before, it stayed in the narrow type (four replicas' float16 16384
+    summed to inf where pmap gives a finite mean). A call computes what its ops do, so
+    inlining it changes no number. The inlined ops are new values (a region several
+    calls share keeps its own)."""
+    if not any(op.name in _INLINED for op in graph.ops) or not any(
+            _narrow_sum(op, enclosing) for op in graph.ops):
+        return graph
+    rw = Rewriter(graph)
+    narrow: set[Value] = set()  # (values of ``rw``'s graph computed from a narrow sum)
+    changed = False
+
+    def inline(op: Op, env: Rewriter) -> None:
+        body = op.regions[0]
+        inner = Rewriter(body)
+        for a, v in zip(body.inputs, op.operands):
+            inner.alias(a, env.get(v))
+        for o in body.ops:
+            if o.name in _INLINED and len(o.regions) == 1 and \
+                    len(o.regions[0].inputs) == len(o.operands):
+                inline(o, inner)
+                continue
+            results = tuple(Value(r.type) for r in o.results)
+            for r, nr in zip(o.results, results):
+                inner.alias(r, nr)
+            rw.add(o.with_values(tuple(inner.get(v) for v in o.operands), results, o.regions))
+        for r, out in zip(op.results, body.outputs):
+            env.alias(r, inner.get(out))
+
+    for op in graph.ops:
+        if _narrow_sum(op, enclosing):
+            narrow.update(op.results)
+        elif any(rw.get(v) in narrow for v in op.operands):
+            if op.name in _INLINED and len(op.regions) == 1 and \
+                    len(op.regions[0].inputs) == len(op.operands):
+                start = len(rw.ops)
+                inline(op, rw)
+                changed = True
+                narrow.update(r for o in rw.ops[start:] for r in o.results)
+                continue
+            narrow.update(op.results)
+        rw.emit(op)
+    return rw.finish() if changed else graph
+
+
 def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph:
     """``graph`` with its gradient all-reduces moved below the ops described above (and
     out of the calls that return them: ``_hoist_from_calls``). An all-reduce moves only
@@ -363,6 +466,7 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
     found first (``moving``), then the graph rebuilt (no value renamed: a moved op reads
     the addends and defines a new one, the sum after it defines the old result)."""
     graph = _hoist_from_calls(graph, enclosing, {} if memo is None else memo)
+    graph = _inline_narrow_sum_calls(graph, enclosing)
     if not any(op.name == "all_reduce" and _sinkable_reduce(op, enclosing) for op in graph.ops):
         return graph
     users, outputs = graph.users(), set(graph.outputs)
@@ -378,19 +482,22 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
 
     def moves(op: Op, held: set[Value], attrs: dict[Value, Any]) -> bool:
         """Does the sum move below ``op``, its operands in ``held`` waiting for theirs?"""
-        if len(op.results) != 1 or not any(v in held for v in op.operands):
+        if not any(v in held for v in op.operands):
+            return False
+        if op.name == "split":  # (one sum made one per piece: only to be widened)
+            return _widened_alone(op, users, waits, producers)
+        if len(op.results) != 1:
             return False
         if op.name in _SUMS:
             return all(v in held for v in op.operands) and \
                 len({attrs[v] for v in op.operands}) == 1
         if op.name == "pad":  # (its padding value is a second operand)
             return (op.operands[0] in held and is_zero(op.operands[1], producers())
-                    and _widened_alone(op, users, waits))
+                    and _widened_alone(op, users, waits, producers))
         if op.name == "dynamic_update_slice":  # (into zeros: the transpose of a slice)
             return (op.operands[1] in held and not any(v in held for v in op.operands[2:])
-                    and is_zero(op.operands[0], producers())
-                    and all(v.type.replica is Replica.MIRRORED for v in op.operands[2:])
-                    and _widened_alone(op, users, waits))
+                    and _updates_zeros(op, producers())
+                    and _widened_alone(op, users, waits, producers))
         if op.name in ("mul", "div", "select_n"):  # (linear in one operand, the rest mirrored)
             sides = {"mul": (0, 1), "div": (0,), "select_n": tuple(range(1, len(op.operands)))}
             mine = [i for i, v in enumerate(op.operands) if v in held]
@@ -412,9 +519,11 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
                 attrs[op.results[0]] = op.attrs
         elif held and moves(op, held, attrs):
             moving.add(id(op))
-            if waits(op.results[0]):
-                held.add(op.results[0])
-                attrs[op.results[0]] = attrs[next(v for v in op.operands if v in held)]
+            kind = attrs[next(v for v in op.operands if v in held)]
+            for r in op.results:
+                if waits(r):
+                    held.add(r)
+                    attrs[r] = kind
     if not moving:
         return graph
 
@@ -432,16 +541,16 @@ def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph
         if id(op) not in moving:
             ops.append(op)
             continue
-        (r,) = op.results
         reduce = next(pending[v][1] for v in op.operands if v in pending)
-        addend = Value(r.type.with_replica(Replica.VARYING))
+        addends = tuple(Value(r.type.with_replica(Replica.VARYING)) for r in op.results)
         ops.append(Op(op.name, tuple(pending.pop(v)[0] if v in pending else v
-                                     for v in op.operands), (addend,), op.attrs, op.loc, (),
+                                     for v in op.operands), addends, op.attrs, op.loc, (),
                       op.impl))
-        if defer(r):
-            pending[r] = (addend, reduce)
-        else:
-            ops.append(reduce.with_values((addend,), (r,)))
+        for r, addend in zip(op.results, addends):
+            if defer(r):
+                pending[r] = (addend, reduce)
+            else:
+                ops.append(reduce.with_values((addend,), (r,)))
     return Graph(graph.inputs, tuple(ops), graph.outputs, graph.name)
 
 
@@ -523,7 +632,8 @@ class CrossReplicaSumPass:
             readers = {k: r for i in members for k, r in closures[i][3].items()}
             scale_ids = {id(scales[i]) for i in members}
             inner = {id(p) for p in inside.values()} | scale_ids
-            if any(id(u) not in inner for v in inside for u in users.get(v, ())):
+            if any(id(u) not in inner for v in inside for u in users.get(v, ())) or any(
+                    r not in inside for p in inside.values() for r in p.results):
                 continue  # something outside reads a value whose scale would change
             # (float16 on the way: a sum in float32 that a cast to float16 reads overflows
             # there, the seed of a float16 regularizer summed over the replicas)
