@@ -103,8 +103,18 @@ class AutoBuckets:
             return b
 
 
-def make_bucketer(spec: Any) -> Callable[[int, int | None], int]:
-    """``(size, bound or None) -> bucket`` for a ``RunOptions.bucketing`` value."""
+def make_bucketer(spec: Any, multiple: int = 1) -> Callable[[int, int | None], int]:
+    """``(size, bound or None) -> bucket`` for a ``RunOptions.bucketing`` value.
+    ``multiple``: ``"pow2"`` and ``"auto"`` buckets are rounded up to a multiple of it (the
+    logical devices, which a padded axis split over them must divide: a pow2 bucket of 1
+    cannot be split 2 ways), as far as the bound allows; a list or callable gives its own."""
+    if multiple > 1 and spec in ("pow2", "auto"):
+        plain = make_bucketer(spec)
+
+        def rounded(n: int, bound: int | None) -> int:
+            b = -(-plain(n, bound) // multiple) * multiple
+            return b if bound is None or b <= bound else plain(n, bound)
+        return rounded
     if spec == "pow2":
         return lambda n, bound: min(_pow2(n), bound) if bound else _pow2(n)
     if spec == "none":
@@ -198,7 +208,7 @@ class DynamicPath:
         self.rep = rep
         self.options = rep.options
         check_options(self.options)
-        self.bucket = make_bucketer(self.options.bucketing)
+        self.bucket = make_bucketer(self.options.bucketing, rep.logical_devices)
         self.traces: dict[Any, Any] = {}
         self.planned: dict[Any, _Plan] = {}  # a call's quick key -> its bucket's plan
         self._arg_of: dict[Any, tuple] = {}  # argument treedef -> argument index per leaf

@@ -247,6 +247,29 @@ def test_logical_devices_dynamic():
         np.testing.assert_allclose(out.values[r], x.mean(0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("bucketing", ["pow2", "auto"])
+@pytest.mark.parametrize("k, sizes", [(2, (1, 1)), (4, (1, 2)), (2, (3, 5))])
+def test_builtin_buckets_divide_by_the_logical_devices_a_padded_axis_is_split_over(
+        bucketing, k, sizes):
+    """A padded batch axis split over K logical devices: ``pow2`` and ``auto`` buckets are
+    rounded up to a multiple of K, so every size works (before: replicas of one row got
+    bucket 1, a ``PaddingError`` telling the user to choose ``bucketing='pow2'``, which
+    was in use). Oracle: ``jax.jit`` on each replica's real rows; the bucket's padding
+    does not reach the results."""
+    w = np.arange(32, dtype=np.float32).reshape(8, 4) / 10
+
+    def step(w, x):
+        return jnp.tanh(rt.split_to_logical_devices(x, [k, 1]) @ w)
+    rep = rt.replicate(step, num_replicas=2, logical_devices=k,
+                       options=rt.RunOptions(dynamic_shapes=True, bucketing=bucketing))
+    xs = [np.linspace(-1, 1, s * 8, dtype=np.float32).reshape(s, 8) for s in sizes]
+    out = rep(w, rt.PerReplica(xs))
+    for r, x in enumerate(xs):
+        assert out.values[r].shape == (sizes[r], 4)
+        np.testing.assert_allclose(out.values[r], jax.jit(lambda w, x: jnp.tanh(x @ w))(w, x),
+                                   rtol=1e-6)
+
+
 def test_mismatched_sizes_within_a_replica():
     step = rt.replicate(lambda x, y: x + y, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
     with pytest.raises(ValueError, match=r"replica 1 has size 4 .*has 3"):

@@ -828,8 +828,10 @@ class _Padder:
                 raise PaddingError(
                     f"padding: split_to_logical_devices splits padded axis {axis} (dim {sym}) "
                     f"{t} ways, but its bucket {self.buckets[sym]} is not divisible by {t}; "
-                    f"choose buckets that are (bucketing='pow2', or a list of multiples of "
-                    f"{t}) ({_loc(op)})")
+                    f"give buckets that are (RunOptions(bucketing=...): a list of multiples "
+                    f"of {t}, or 'pow2' / 'auto', which round up to a multiple of "
+                    f"logical_devices; and a maximum_shapes bound for dim {sym} that is one "
+                    f"too) ({_loc(op)})")
 
     def check_reshape(self, op: Op, pads: dict[int, str]) -> None:
         """A reshape keeps each padded axis whole and where it was: the dims before it
