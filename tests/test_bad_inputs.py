@@ -572,6 +572,10 @@ def _dyn_concat(x):
     return jnp.concatenate([x, x])
 
 
+def _dyn_diff(x):
+    return x[1:] - x[:-1]
+
+
 DYN_TRACE = [
     ("flip", _dyn_flip, 1, {}, ValueError,
      r"padding: rev reverses padded axis 0 \(dim b\), which would move the padding to the front", "jnp.flip"),
@@ -581,6 +585,8 @@ DYN_TRACE = [
      r"splits padded axis 0 \(dim b\) 2 ways, but its bucket 5 is not divisible by 2", "[2, 1]"),
     ("concatenate", _dyn_concat, 1, {}, ValueError,
      r"concatenate has a value of type f32\[_2_times_b.* whose dim 2\*b mixes padded and real elements", "jnp.concatenate"),
+    ("slice-shorter", _dyn_diff, 1, {}, ValueError,
+     r"whose dim b - 1 mixes padded and real elements \(.*sliced to another length: x\[1:\]", "x[1:]"),
 ]
 
 

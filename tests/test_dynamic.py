@@ -270,6 +270,23 @@ def test_builtin_buckets_divide_by_the_logical_devices_a_padded_axis_is_split_ov
                                    rtol=1e-6)
 
 
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_gradient_through_a_stack_beside_the_padded_axis(axis):
+    """``jnp.stack`` on another axis than the padded one: its transpose, ``unstack``,
+    keeps the padded axis (before: a ``PaddingError``; the gradient of
+    ``optax.sigmoid_focal_loss`` failed so). Oracle: ``jax.jit`` on each replica's real
+    rows; the gradient is their mean."""
+    def step(w, x):
+        parts = jnp.unstack(jnp.stack([x @ w, jnp.tanh(x @ w) * 2], axis=axis), axis=axis)
+        return jax.grad(lambda w: jnp.sum(jnp.stack([x @ w, parts[1]], axis=axis) ** 2))(w)
+    w = np.arange(6, dtype=np.float32).reshape(3, 2) / 10
+    xs = [np.arange(15, dtype=np.float32).reshape(5, 3) / 10, np.ones((7, 3), np.float32)]
+    got = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))(
+        w, rt.PerReplica(xs))
+    want = np.mean([np.asarray(jax.jit(step)(w, x)) for x in xs], 0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
 def test_mismatched_sizes_within_a_replica():
     step = rt.replicate(lambda x, y: x + y, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
     with pytest.raises(ValueError, match=r"replica 1 has size 4 .*has 3"):

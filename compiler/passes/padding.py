@@ -251,8 +251,9 @@ class _Padder:
                     raise PaddingError(
                         f"padding: {op.name} has a value of type {t} whose dim "
                         f"{d.expr or d.name} mixes "
-                        f"padded and real elements (the padded axis was flattened, concatenated "
-                        f"or resized); padding cannot make it exact ({_loc(op)})")
+                        f"padded and real elements (the padded axis was flattened, concatenated, "
+                        f"resized or sliced to another length: x[1:], x[:-1], jnp.diff); "
+                        f"padding cannot make it exact ({_loc(op)})")
                 out[i] = d.name
         return out
 
@@ -612,6 +613,14 @@ class _Padder:
                     if not _is(rshape[a if a < k else a + 1], sym):
                         raise PaddingError(f"padding: stack moves the padded axis {a} (dim "
                                            f"{sym}) of {v.type} ({_loc(op)})")
+            return operands
+        if name == "unstack":  # axis ``axis`` taken apart: the others move down past it
+            k = op.attr("axis") % max(op.operands[0].type.rank, 1)
+            for a, sym in pads[0].items():
+                if a == k or any(not _is(r.type.shape[a if a < k else a - 1], sym)
+                                 for r in op.results):
+                    raise PaddingError(f"padding: unstack takes apart the padded axis {a} (dim "
+                                       f"{sym}) of {op.operands[0].type} ({_loc(op)})")
             return operands
         if name in _KEY_DATA:  # keys <-> their data: trailing axes added or removed
             for v, p in zip(op.operands, pads):
