@@ -308,10 +308,11 @@ def _widened_alone(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value]
                    producers: Callable[[], dict[Value, Op]]) -> bool:
     """Does every result of ``op`` reach a cast to a wider float type through ops that
     only rearrange it (``_REARRANGES``, a ``split``, a pad with zeros, an update of zeros,
-    an ``add_any``; each result read once)? (A pad or an update of zeros, the transpose of a slice, grows
-    the sum, and a ``split``, the transpose of a ``concatenate``, makes one sum several:
-    a sum moves below them only to follow such a cast: ``w.astype(float16)[:, :4]``,
-    ``jnp.concatenate([w.astype(bfloat16)] * 2)`` of a float32 weight.)"""
+    an ``add_any``; each result read once)? (A pad or an update of zeros, the transpose
+    of a slice, grows the sum, and a ``split``, the transpose of a ``concatenate``, makes
+    one sum several: a sum moves below them only to follow such a cast:
+    ``w.astype(float16)[:, :4]``, ``jnp.concatenate([w.astype(bfloat16)] * 2)`` of a
+    float32 weight.)"""
     for v in op.results:
         while True:
             if not waits(v):
