@@ -1489,7 +1489,6 @@ def install_vjp_hook(policy: Any) -> None:
     hooked._replicate_hlo = True
     api._vjp3_bwd = hooked
     _install_linear_transpose_hook(api, state)
-    _install_jvp_cast(api, state)
 
 
 def _install_linear_transpose_hook(api: Any, state: Any) -> None:
@@ -1531,38 +1530,6 @@ def _install_linear_transpose_hook(api: Any, state: Any) -> None:
     linear_transpose._replicate_hlo = True
     api.linear_transpose = linear_transpose
     jax.linear_transpose = linear_transpose
-
-
-def _install_jvp_cast(api: Any, state: Any) -> None:
-    """``jax.jvp`` while a replica is traced: primals and tangents cast to one type."""
-    orig_jvp = api.jvp
-
-    @functools.wraps(orig_jvp)
-    def jvp(fun, primals, tangents, *args, **kwargs):
-        """``jax.jvp`` at a mirrored primal with a per-replica tangent (pmap code's
-        Hessian-vector product with a replica's own vector): JAX's typed tracing needs
-        the two of one type and fails inside (``pvary is a invariant->variant
-        collective``); while a replica is traced both are cast to what either varies over
-        (values unchanged), as pmap, where everything varies."""
-        if state.value == "replica" and _mesh_axis_names():
-            p_leaves, p_tree = jax.tree_util.tree_flatten(primals)
-            t_leaves, t_tree = jax.tree_util.tree_flatten(tangents)
-            if p_tree == t_tree and any(_is_inexact(p) and _is_inexact(t) and
-                                        varying_axes(jax.typeof(p)) != varying_axes(jax.typeof(t))
-                                        for p, t in zip(p_leaves, t_leaves)):
-                cast_p, cast_t = [], []
-                for p, t in zip(p_leaves, t_leaves):
-                    if _is_inexact(p) and _is_inexact(t):
-                        axes = varying_axes(jax.typeof(p)) | varying_axes(jax.typeof(t))
-                        p, t = to_varying(p, axes), to_varying(t, axes)
-                    cast_p.append(p)
-                    cast_t.append(t)
-                primals = jax.tree_util.tree_unflatten(p_tree, cast_p)
-                tangents = jax.tree_util.tree_unflatten(t_tree, cast_t)
-        return orig_jvp(fun, primals, tangents, *args, **kwargs)
-    jvp._replicate_hlo = True
-    api.jvp = jvp
-    jax.jvp = jvp
 
 
 # -- custom_vjp backward functions that return a per-replica cotangent ------------------

@@ -929,9 +929,10 @@ def test_vjp_with_mixed_seeds_and_hessian_of_psum():
 def test_jvp_of_a_mirrored_primal_with_per_replica_tangents():
     """Not in the source (``testJvpAndPartialEval`` with pmap's ``in_axes=(None, 0)``): a
     forward derivative at a mirrored (broadcast) primal along per-replica tangents. pmap
-    runs it, and so does a step's ``jax.jvp`` (primal and tangent cast to what either
-    varies over; before, JAX's value-variance types failed inside: ``pvary is a
-    invariant->variant collective``). ``jax.linearize`` at the mirrored primal, then fed a
+    runs it, and so does a step's ``jax.jvp`` (the mirrored primal stays mirrored, its
+    tangent per replica: a ``pvary`` of the tangent, already varying, is the identity;
+    before, JAX's value-variance types failed inside: ``pvary is a invariant->variant
+    collective``). ``jax.linearize`` at the mirrored primal, then fed a
     per-replica tangent, is refused (the tangent's type must be the primal's; JAX's message
     names ``pcast``), and with the primal cast to varying (``lax.pcast``) gives pmap's
     numbers."""
