@@ -1489,6 +1489,39 @@ def install_vjp_hook(policy: Any) -> None:
     hooked._replicate_hlo = True
     api._vjp3_bwd = hooked
     _install_linear_transpose_hook(api, state)
+    _install_linearize_fallback(api, state)
+
+
+def _install_linearize_fallback(api: Any, state: Any) -> None:
+    """``jax.linearize`` at a mirrored primal whose linear function is then given a
+    per-replica tangent (pmap code's Hessian-vector product with a replica's own vector):
+    JAX refuses a tangent of another type than the linearization's (its message names
+    ``pcast`` and the internal axis). While a replica is traced such a call is the
+    ``jax.jvp`` at the primals instead (the forward pass recomputed), which takes the
+    per-replica tangent and gives pmap's numbers; any other call is JAX's own."""
+    orig = api.linearize
+
+    @functools.wraps(orig)
+    def linearize(fun, *primals, has_aux=False):
+        out = orig(fun, *primals, has_aux=has_aux)
+        if state.value != "replica" or not _mesh_axis_names():
+            return out
+        linear = out[1]
+        p_leaves = jax.tree_util.tree_leaves(primals)
+
+        def f_jvp(*tangents):
+            t_leaves = jax.tree_util.tree_leaves(tangents)
+            if len(t_leaves) == len(p_leaves) and any(
+                    _is_inexact(p) and _is_inexact(t)
+                    and varying_axes(jax.typeof(t)) - varying_axes(jax.typeof(p))
+                    for p, t in zip(p_leaves, t_leaves)):
+                primal_fun = (lambda *a: fun(*a)[0]) if has_aux else fun
+                return jax.jvp(primal_fun, primals, tangents)[1]
+            return linear(*tangents)
+        return (out[0], jax.tree_util.Partial(f_jvp), *out[2:])
+    linearize._replicate_hlo = True
+    api.linearize = linearize
+    jax.linearize = linearize
 
 
 def _install_linear_transpose_hook(api: Any, state: Any) -> None:

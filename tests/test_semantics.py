@@ -629,7 +629,8 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("form", ["jvp_of_grad", "grad_of_vdot", "hutchinson"])
+@pytest.mark.parametrize("form", ["jvp_of_grad", "linearize_of_grad", "grad_of_vdot",
+                                  "hutchinson"])
 def test_hessian_vector_product_along_a_per_replica_tangent(form, reduction):
     """A Hessian-vector product at mirrored weights along each replica's own vector (a
     random probe per replica, Hutchinson's trace estimate): the gradient inside is the
@@ -638,7 +639,7 @@ def test_hessian_vector_product_along_a_per_replica_tangent(form, reduction):
     data-parallel user puts it, after the gradient (oracle). Before, ``jax.jvp`` cast the
     weights to per-replica to match the tangent, so the gradient inside was each
     replica's own and nothing was all-reduced (Hutchinson's estimate 0.20 where pmap
-    gives -0.11)."""
+    gives -0.11), and ``jax.linearize``'s function refused the per-replica tangent."""
     n, d = 4, 4
     rng = np.random.default_rng(3)
     w = (rng.normal(size=(d,)) * .5).astype(np.float32)
@@ -657,6 +658,9 @@ def test_hessian_vector_product_along_a_per_replica_tangent(form, reduction):
             g = grad(lambda q: loss(q, x))
             if form == "grad_of_vdot":
                 return g(w), grad(lambda q: jnp.vdot(g(q), t))(w)
+            if form == "linearize_of_grad":
+                gw, lin = jax.linearize(g, w)
+                return gw, lin(t)
             gw, hv = jax.jvp(g, (w,), (t,))
             return (gw, hv) if form == "jvp_of_grad" else (gw, jnp.vdot(t, hv))
         return step
