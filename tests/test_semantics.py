@@ -421,7 +421,8 @@ def test_gradient_through_a_per_example_branch_under_vmap(kind):
 
 
 @pytest.mark.parametrize("case", ["plain", "regularized", "used_twice", "shared_regularizer",
-                                  "sliced", "jnp_where", "jnp_pad", "concat", "dynamic_slice"])
+                                  "sliced", "jnp_where", "jnp_pad", "concat", "dynamic_slice",
+                                  "checkpointed_slice", "concat_with_zeros"])
 def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
     """A float16 weight under a 2**15 loss scale on 4 replicas: each replica's gradient
     (and the mean) is finite, the sum of four is not. The gradient all-reduce takes the
@@ -440,7 +441,9 @@ def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
             "jnp_where": lambda x, w: x * jnp.where(jnp.arange(3) < 2, w, jnp.float16(0)),
             "jnp_pad": lambda x, w: x * jnp.pad(w, (0, 1))[1:],
             "concat": lambda x, w: x * jnp.concatenate([w, w])[2:5],
-            "dynamic_slice": lambda x, w: x * lax.dynamic_slice_in_dim(w, 1, 3)}
+            "dynamic_slice": lambda x, w: x * lax.dynamic_slice_in_dim(w, 1, 3),
+            "checkpointed_slice": lambda x, w: x * jax.checkpoint(lambda w: w[1:])(w),
+            "concat_with_zeros": lambda x, w: x * jnp.concatenate([w, jnp.zeros_like(w)])[1:4]}
 
     def loss(p, x):
         w, v = p
@@ -451,7 +454,8 @@ def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
         if case == "shared_regularizer":
             total = total + (jnp.sum(w * w) + jnp.sum(v * v)) * jnp.float16(1e-3)
         return total * jnp.float16(2.0 ** 15)
-    p = (jnp.ones((4 if case in ("sliced", "dynamic_slice") else 3,), jnp.float16),
+    p = (jnp.ones((4 if case in ("sliced", "dynamic_slice", "checkpointed_slice") else 3,),
+                  jnp.float16),
          jnp.full((3,), 0.5, jnp.float16))
     x = np.full((8, 3), 1.5 if case != "used_twice" else 1.0, np.float16)
     got = rt.replicate(lambda p, x: jax.grad(loss)(p, x), num_replicas=n)(p, rt.distribute(x, n))
@@ -626,6 +630,50 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
     reduces = [op for op, _ in step.lower(w, rt.distribute(x, n)).ir().walk()
                if op.name == "all_reduce"]
     assert [r.results[0].type.dtype for r in reduces] == ["float32"]
+
+
+_CHAINS = {  # name: what the step does with a float32 weight cast to a narrow type
+    "fused_qkv_in_checkpoint": lambda v, x: jax.checkpoint(lambda v, x: x @ v[:, :4])(v, x),
+    "transposed_slice_in_jit": lambda v, x: jax.jit(lambda v, x: x @ v.T[:4].T)(v, x),
+    "checkpoint_of_the_weight": lambda v, x: x @ jax.checkpoint(lambda v: v[:, :4] * 2)(v),
+    "used_twice": lambda v, x: x @ (v + jnp.flip(v, 0))[:, :4],
+    "times_3_plus_itself": lambda v, x: x @ (v * 3 + v)[:, :4],
+    "centred": lambda v, x: x @ (v - v.mean(1, keepdims=True))[:, :4],
+    "sum_keepdims": lambda v, x: x @ jnp.broadcast_to(jnp.sum(v, 1, keepdims=True), (6, 4)),
+    "float8_round_trip_sliced": lambda v, x: x @ v.astype(jnp.float8_e4m3fn).astype(v.dtype)[:, :4],
+    "concat_with_zeros": lambda v, x: x @ jnp.concatenate([v, jnp.zeros_like(v)], 1)[:, 2:6],
+    "scaled_then_sliced": lambda v, x: x @ (v * 2)[:, :4],
+}
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", sorted(_CHAINS))
+def test_low_precision_sums_follow_linear_ops_to_the_cast(name, low):
+    """A float32 weight cast to bfloat16/float16 in the step, then sliced, scaled, used
+    twice, centred, reduced, round-tripped through float8 or concatenated, inside a
+    ``jax.checkpoint``/``jax.jit`` layer or outside: every replica rounds its own
+    cotangent and the float32 gradients are summed (pmap's numbers, exactly: bf16
+    cotangents 256 and 1 summed to 257, eight float16 cotangents of 10000 to 80000). The
+    sum is deferred through the ops linear in it to where pmap code sums (found by a
+    random-program fuzzer: before, these kept it in the narrow type, 256 or inf)."""
+    dtype = jnp.dtype(low)
+    n = 2 if low == "bfloat16" else 8
+    w = jnp.asarray(np.linspace(0.5, 1.5, 36).reshape(6, 6), jnp.float32)
+    if low == "bfloat16":
+        x = np.ones((n, 1, 6), np.float32)
+        x[0] *= 256.0
+    else:  # (row 0's cotangents: 10000 a replica, finite; eight of them are not in float16.
+        # float8 e4m3 ends at 448: its round trip rounds cotangents of 100 instead)
+        x = np.zeros((n, 1, 6), np.float32)
+        x[:, :, 0] = 100.0 if "float8" in name else 10000.0
+
+    def loss(w, x):
+        return jnp.sum(_CHAINS[name](w.astype(dtype), x.astype(dtype))).astype(jnp.float32)
+    got = rt.replicate(jax.grad(loss), num_replicas=n, loss_reduction="sum")(
+        w, rt.distribute(x.reshape(n, 6), n))
+    want = jax.pmap(lambda x: lax.psum(jax.grad(loss)(w, x), "i"), axis_name="i")(x)[0]
+    assert np.all(np.isfinite(np.asarray(want)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

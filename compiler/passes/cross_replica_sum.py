@@ -244,28 +244,23 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
 # 1 was lost) or float16 (4 × 20000 = inf), then widened, where pmap code and TF (each
 # replica's float32 gradient, then all-reduced) and ``jax.jit`` on the global batch give
 # 128.5 and 80000. The same holds for ``lax.reduce_precision`` (rounded per replica
-# there, once after the sum here). So a gradient all-reduce moves below the ops of one
-# operand its result alone feeds that widen, round or shrink it, or only rearrange it
-# (``_SINKS``, a broadcast that adds unit dims, a cast to a narrower float and back, a
-# pad with zeros, an update of zeros or a split that a widening cast reads, a product
-# with a mirrored factor, a select between it and zeros; a ``jax.jit`` call that reads
-# a narrow sum is inlined first, as ``jnp.pad`` and ``jnp.where`` are),
-# and below an ``add_any`` of such sums: each replica applies them to its
-# own addend, and the sum follows, in the wider type. Σ_r f(a_r) = f(Σ_r a_r) for these
-# linear maps, so only the rounding changes, to the per-replica program's.
-_SINKS = frozenset({"reduce_sum", "reshape", "transpose", "squeeze", "expand_dims", "copy",
-                    "copy_p", "reduce_precision", "convert_element_type", "slice", "cumsum",
-                    "neg", "rev"})
+# there, once after the sum here). So the sum is deferred (``_sink_sums``): the ops that
+# are linear in it with coefficients identical on every replica (``_linear_in``: slices,
+# pads and updates of zeros, splits, concatenations, reshapes, sums and products with
+# mirrored factors, selects against zeros, casts, ...) run on each replica's own addend,
+# and the all-reduce comes just before the first op that is not linear in it, or at the
+# graph's end (after the casts back to the weight's type, where pmap code sums). Σ_r f(a_r) =
+# f(Σ_r a_r) for these linear maps, so only the rounding changes, to the per-replica
+# program's. A sum is deferred only where a rounding is on its way (a cast, a
+# ``reduce_precision``): elsewhere the program stays as it is. A ``jax.jit`` call that
+# reads a narrow sum is inlined first, as ``jnp.pad`` and ``jnp.where`` are; a call
+# that returns a deferred narrow sum (a ``jax.checkpoint``ed layer slicing its cast
+# weight) returns the replica's addend, and the sum follows the call.
 _SUMS = frozenset({"add_any", "add"})
-
-
-def _size(v: Value) -> int | None:
-    n = 1
-    for d in v.type.shape:
-        if not isinstance(d, int):
-            return None
-        n *= d
-    return n
+#: ops linear in their one operand
+_LINEAR_UNARY_SINK = frozenset({"reduce_sum", "reshape", "transpose", "squeeze", "expand_dims",
+                                "copy", "copy_p", "slice", "cumsum", "neg", "rev",
+                                "broadcast_in_dim", "split", "reduce_precision"})
 
 
 def _float_dtype(name: str) -> Any:
@@ -280,69 +275,44 @@ def _sinkable_reduce(op: Op, enclosing: bool) -> bool:
             and _float_dtype(op.operands[0].type.dtype) is not None)
 
 
-def _sinks_through(op: Op) -> bool:
-    """Does a gradient all-reduce move below ``op`` (``_SINKS``; a cast only between
-    float types, to one at least as wide; a broadcast only of unit dims)?"""
-    if op.name == "broadcast_in_dim":
-        return _size(op.results[0]) == _size(op.operands[0])
+def _cast_kind(op: Op) -> str | None:
+    """``"widen"`` / ``"narrow"`` for a cast between float types to a wider / narrower
+    one (``"same"`` for one as wide), else ``None``."""
     if op.name != "convert_element_type":
-        return op.name in _SINKS
+        return None
     a, b = (_float_dtype(v.type.dtype) for v in (op.operands[0], op.results[0]))
-    return a is not None and b is not None and b.itemsize >= a.itemsize
+    if a is None or b is None:
+        return None
+    return "widen" if b.itemsize > a.itemsize else "narrow" if b.itemsize < a.itemsize \
+        else "same"
 
 
-def _rounds(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool]) -> bool:
-    """Is ``op`` a cast to a narrower float type whose result only a cast back to one at
-    least as wide as its operand reads (``x.astype(float8).astype(float32)``: a rounding,
-    as ``reduce_precision``)?"""
-    if op.name != "convert_element_type" or not waits(op.results[0]):
-        return False
-    (back,) = users[op.results[0]]
-    a, b, c = (_float_dtype(v.type.dtype) for v in (op.operands[0], op.results[0],
-                                                     back.results[0]))
-    return (a is not None and b is not None and c is not None and back.name == op.name
-            and c.itemsize >= a.itemsize)
-
-
-def _widened_alone(op: Op, users: dict[Value, list[Op]], waits: Callable[[Value], bool],
-                   producers: Callable[[], dict[Value, Op]]) -> bool:
-    """Does every result of ``op`` reach a cast to a wider float type through ops that
-    only rearrange it (``_REARRANGES``, a ``split``, a pad with zeros, an update of zeros,
-    an ``add_any``; each result read once)? (A pad or an update of zeros, the transpose
-    of a slice, grows the sum, and a ``split``, the transpose of a ``concatenate``, makes
-    one sum several: a sum moves below them only to follow such a cast:
-    ``w.astype(float16)[:, :4]``, ``jnp.concatenate([w.astype(bfloat16)] * 2)`` of a
-    float32 weight.)"""
-    for v in op.results:
-        while True:
-            if not waits(v):
-                return False
-            (u,) = users[v]
-            if u.name == "convert_element_type":
-                if not _sinks_through(u):
-                    return False
-                break
-            if u.name == "split":
-                if not _widened_alone(u, users, waits, producers):
-                    return False
-                break
-            if u.name in _REARRANGES or u.name in _SUMS or (
-                    u.name == "broadcast_in_dim" and _sinks_through(u)):
-                pass  # (a sum: ``moves`` asks that a sum of the same kind is each addend)
-            elif u.name == "pad" and u.operands[0] is v and is_zero(u.operands[1], producers()):
-                pass
-            elif u.name == "dynamic_update_slice" and u.operands[1] is v and \
-                    _updates_zeros(u, producers()):
-                pass
-            else:
-                return False
-            v = u.results[0]
-    return True
-
-
-#: ops that only move, keep or drop a value's elements (``_widened_alone``)
-_REARRANGES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
-                         "slice", "rev"})
+def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
+               zero: Callable[[Value], bool]) -> bool:
+    """Is ``op`` linear in its operands at positions ``mine`` (deferred sums of one kind),
+    its other operands identical on every replica (``mirrored``)? Then it runs on each
+    replica's addends and its results are deferred sums too."""
+    name, ops_ = op.name, op.operands
+    rest = [v for i, v in enumerate(ops_) if i not in mine]
+    if name in _LINEAR_UNARY_SINK or name == "convert_element_type":
+        return len(ops_) == 1 and (name != "convert_element_type" or _cast_kind(op) is not None)
+    if name in _SUMS or name == "sub":
+        return not rest
+    if name == "concatenate":  # (pieces of zeros: as they are)
+        return all(zero(v) for v in rest)
+    if name == "pad":
+        return mine == [0] and zero(ops_[1])
+    if name == "dynamic_update_slice":  # (onto zeros: the transpose of a dynamic slice)
+        return mine == [1] and zero(ops_[0]) and all(mirrored(v) for v in ops_[2:])
+    if name in ("dynamic_slice", "gather"):
+        return mine == [0] and all(mirrored(v) for v in rest)
+    if name in ("mul", "dot_general"):
+        return len(mine) == 1 and all(mirrored(v) for v in rest)
+    if name == "div":
+        return mine == [0] and mirrored(ops_[1])
+    if name == "select_n":  # (the predicate picks; the other cases zeros)
+        return 0 not in mine and mirrored(ops_[0]) and all(zero(v) for v in rest[1:])
+    return False
 
 
 #: ops that call their one region on their operands and return its outputs
@@ -352,12 +322,13 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call", "re
 
 
 def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
-    """``graph`` with the gradient all-reduces that a call's region returns as they are
-    (the backward pass of ``jax.checkpoint(layer)`` or ``jax.jit(layer)`` applied to a
-    weight cast outside it, jmp's pattern) moved after the call: the region returns the
-    replica's own addend, so the sum can then move below the cast (``_sink_sums``).
-    (No value is renamed: the call's hoisted results are new values, and the sums after
-    it define the old ones, so every other op stays as it is.)"""
+    """``graph`` with the gradient all-reduces that a call's region returns deferred (the
+    backward pass of ``jax.checkpoint(layer)`` or ``jax.jit(layer)`` applied to a weight
+    cast outside it, jmp's pattern; a sum returned as it is or, if narrow, through linear
+    ops: ``_sink_sums(returns=True)``) moved after the call: the region returns the
+    replica's own addend, so the sum can then follow it below the cast. (No value is
+    renamed: the call's hoisted results are new values, and the sums after it define the
+    old ones, so every other op stays as it is.)"""
     if not any(op.name in _CALLS for op in graph.ops):
         return graph
     ops: list[Op] = []
@@ -370,35 +341,19 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
         inner = transposed(op, enclosing)
         key = (id(body), inner)  # (a region several calls share: sunk and read once;
         if key not in memo:      # the entry holds the region, so its id stays its own)
-            sunk = _sink_sums(body, inner, memo)
-            memo[key] = (body, sunk, _returned_sums(sunk, inner))
-        _, body, hoisted = memo[key]
+            memo[key] = (body, *_defer_sums(body, inner, memo, returns=True))
+        _, new_body, hoisted = memo[key]
         if not hoisted:
-            changed |= body is not op.regions[0]
-            ops.append(op if body is op.regions[0] else op.replace(regions=(body,)))
+            changed |= new_body is not body
+            ops.append(op if new_body is body else op.replace(regions=(new_body,)))
             continue
         changed = True
-        dropped = {id(r) for r in hoisted.values()}
-        body = body.replace(ops=tuple(o for o in body.ops if id(o) not in dropped),
-                            outputs=tuple(hoisted[j].operands[0] if j in hoisted else v
-                                          for j, v in enumerate(body.outputs)))
         results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in hoisted else r
                         for j, r in enumerate(op.results))
-        ops.append(op.with_values(op.operands, results, (body,)))
+        ops.append(op.with_values(op.operands, results, (new_body,)))
         ops.extend(Op("all_reduce", (results[j],), (op.results[j],), reduce.attrs, op.loc)
                    for j, reduce in sorted(hoisted.items()))
     return Graph(graph.inputs, tuple(ops), graph.outputs, graph.name) if changed else graph
-
-
-def _returned_sums(body: Graph, enclosing: bool) -> dict[int, Op]:
-    """By output position, the gradient all-reduces ``body`` returns as they are (read by
-    nothing else, returned once)."""
-    if not any(op.name == "all_reduce" for op in body.ops):
-        return {}
-    producers, users = body.producers(), body.users()
-    return {j: producers[v] for j, v in enumerate(body.outputs)
-                  if v in producers and _sinkable_reduce(producers[v], enclosing)
-                  and not users.get(v) and body.outputs.count(v) == 1}
 
 
 #: calls inlined where they read a narrow gradient sum (``_inline_narrow_sum_calls``)
@@ -461,98 +416,164 @@ def _inline_narrow_sum_calls(graph: Graph, enclosing: bool) -> Graph:
 
 
 def _sink_sums(graph: Graph, enclosing: bool, memo: dict | None = None) -> Graph:
-    """``graph`` with its gradient all-reduces moved below the ops described above (and
-    out of the calls that return them: ``_hoist_from_calls``). An all-reduce moves only
-    when the op reading it moves too (so it keeps its place in the program otherwise):
-    found first (``moving``), then the graph rebuilt (no value renamed: a moved op reads
-    the addends and defines a new one, the sum after it defines the old result)."""
-    graph = _hoist_from_calls(graph, enclosing, {} if memo is None else memo)
+    """``graph`` with its gradient all-reduces deferred below the ops linear in them (see
+    the comment above), and out of the calls that return them (``_hoist_from_calls``)."""
+    return _defer_sums(graph, enclosing, {} if memo is None else memo)[0]
+
+
+def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False,
+                inputs: dict[int, Op] | None = None) -> tuple[Graph, dict[int, Op]]:
+    """``_sink_sums``; with ``returns`` (a call's region), a deferred sum the region
+    returns (as it is, or a narrow one through linear ops) stays the replica's addend, and
+    the second result maps its output position to the all-reduce that the caller emits.
+    ``inputs``: the region's inputs that are deferred sums at the call (by position, with
+    an all-reduce of each: attributes, location), given as the replica's addends.
+
+    First the deferral is planned: walking the ops, the results of a sinkable all-reduce
+    and of every op linear in such values (``_linear_in``) are *deferred*, in groups that
+    merge where an op reads several. A group is deferred only when a rounding is on its
+    way (a cast between float types, ``reduce_precision``), or it reaches the region's
+    results (``returns``). Then the graph is rebuilt: deferred ops read the addends, and
+    a deferred value that anything else reads (or the graph returns) is summed just
+    before its first such reader, defining the old value: where pmap code sums its
+    gradients, after the casts back to the weights' type."""
+    graph = _hoist_from_calls(graph, enclosing, memo)
     graph = _inline_narrow_sum_calls(graph, enclosing)
-    if not any(op.name == "all_reduce" and _sinkable_reduce(op, enclosing) for op in graph.ops):
-        return graph
-    users, outputs = graph.users(), set(graph.outputs)
+    inputs = inputs or {}
+    if not inputs and not any(op.name == "all_reduce" and _sinkable_reduce(op, enclosing)
+                              for op in graph.ops):
+        return graph, {}
     made: list = []  # (the producers, made on first need: only zero checks read them)
 
-    def producers() -> dict[Value, Op]:
+    def zero(v: Value) -> bool:
         if not made:
             made.append(graph.producers())
-        return made[0]
+        return is_zero(v, made[0])
 
-    def waits(v: Value) -> bool:
-        return v not in outputs and len(users.get(v, ())) == 1
+    parent: dict[int, int] = {}
 
-    def moves(op: Op, held: set[Value], attrs: dict[Value, Any]) -> bool:
-        """Does the sum move below ``op``, its operands in ``held`` waiting for theirs?"""
-        if not any(v in held for v in op.operands):
-            return False
-        if op.name == "split":  # (one sum made one per piece: only to be widened)
-            return _widened_alone(op, users, waits, producers)
-        if len(op.results) != 1:
-            return False
-        if op.name in _SUMS:
-            return all(v in held for v in op.operands) and \
-                len({attrs[v] for v in op.operands}) == 1
-        if op.name == "pad":  # (its padding value is a second operand)
-            return (op.operands[0] in held and is_zero(op.operands[1], producers())
-                    and _widened_alone(op, users, waits, producers))
-        if op.name == "dynamic_update_slice":  # (into zeros: the transpose of a slice)
-            return (op.operands[1] in held and not any(v in held for v in op.operands[2:])
-                    and _updates_zeros(op, producers())
-                    and _widened_alone(op, users, waits, producers))
-        if op.name in ("mul", "div", "select_n"):  # (linear in one operand, the rest mirrored)
-            sides = {"mul": (0, 1), "div": (0,), "select_n": tuple(range(1, len(op.operands)))}
-            mine = [i for i, v in enumerate(op.operands) if v in held]
-            rest = [v for i, v in enumerate(op.operands) if i not in mine]
-            return (len(mine) == 1 and mine[0] in sides[op.name]
-                    and all(v.type.replica is Replica.MIRRORED for v in rest)
-                    and (op.name != "select_n" or all(
-                        is_zero(v, producers()) for v in rest[1:])))
-        return len(op.operands) == 1 and (_sinks_through(op) or _rounds(op, users, waits))
+    def find(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+    group: dict[Value, int] = {}  # deferred value -> its group
+    kind: dict[int, Any] = {}     # group -> the attributes of its all-reduces
+    source: dict[int, Op] = {}    # group -> an all-reduce of it (attributes, location)
+    rounds: set[int] = set()      # groups with a rounding on the way
+    planned: dict[int, list[int]] = {}  # op id -> the positions of its deferred operands
+    needed: set[Value] = set()    # deferred values something else reads
 
-    # which ops the sums move below, if every sum that can wait does
-    held: set[Value] = set()
-    attrs: dict[Value, Any] = {}
-    moving: set[int] = set()
+    calls: dict[int, tuple[Graph, dict[int, Op]]] = {}  # planned call id -> region, sums
+
+    def mirrored(v: Value) -> bool:  # (a deferred value summed before: as it is)
+        return (v not in group or v in needed) and v.type.replica is Replica.MIRRORED
+
+    def start(v: Value, op: Op) -> None:
+        g = parent[len(parent)] = len(parent)
+        group[v], kind[g], source[g] = g, op.attrs, op
+        if v.type.dtype == "float16":  # (deferred to where a float16 mean can be taken)
+            rounds.add(g)
+    for i, op in inputs.items():  # (the caller defers them: they move whatever happens)
+        start(graph.inputs[i], op)
+        rounds.add(group[graph.inputs[i]])
     for op in graph.ops:
-        if op.name == "all_reduce" and _sinkable_reduce(op, enclosing):
-            if waits(op.results[0]):
-                held.add(op.results[0])
-                attrs[op.results[0]] = op.attrs
-        elif held and moves(op, held, attrs):
-            moving.add(id(op))
-            kind = attrs[next(v for v in op.operands if v in held)]
-            for r in op.results:
-                if waits(r):
-                    held.add(r)
-                    attrs[r] = kind
+        mine = [i for i, v in enumerate(op.operands) if v in group and v not in needed]
+        if op.name == "all_reduce" and _sinkable_reduce(op, enclosing) and not mine:
+            start(op.results[0], op)
+            continue
+        if not mine:
+            continue
+        roots = {find(group[op.operands[i]]) for i in mine}
+        cast = _cast_kind(op)
+        through = None  # (a call: its region with the deferred inputs, the sums it returns)
+        if len({kind[g] for g in roots}) == 1 and op.name in _CALLS and len(op.regions) == 1 \
+                and len(op.regions[0].inputs) == len(op.operands) == len(set(op.operands)):
+            body, inner = op.regions[0], transposed(op, enclosing)
+            key = (id(body), inner, tuple(mine))
+            if key not in memo:
+                src = source[min(roots)]
+                memo[key] = (body, *_defer_sums(body, inner, memo, returns=True,
+                                                inputs={i: src for i in mine}))
+            through = memo[key][1:]
+        if len({kind[g] for g in roots}) != 1 or (
+                through is None and not _linear_in(op, mine, mirrored, zero)):
+            needed.update(op.operands[i] for i in mine)
+            continue
+        g = min(roots)
+        if roots & rounds or cast is not None or op.name == "reduce_precision" or (
+                through is not None and _float_dtype(op.operands[mine[0]].type.dtype)
+                .itemsize < 4):  # (a narrow sum out of a call: a float16 mean can follow)
+            rounds.add(g)  # (a cast between float types rounds, or widens: see above)
+        for other in roots:
+            parent[other] = g
+        planned[id(op)] = mine
+        if through is not None:
+            calls[id(op)] = through
+            for j in through[1]:
+                group[op.results[j]] = g
+            continue
+        for r in op.results:
+            group[r] = g
+    outputs = graph.outputs
+    returned: dict[int, int] = {}  # output position -> group, returned as the addend
+    if returns:
+        for j, v in enumerate(outputs):
+            if v in group and v not in needed and outputs.count(v) == 1:
+                g = find(group[v])
+                narrow = _float_dtype(v.type.dtype).itemsize < 4
+                if narrow or graph.producers().get(v) is source[g] or v in graph.inputs:
+                    returned[j] = g
+    moving = {find(g) for g in parent} & (rounds | {find(g) for g in returned.values()})
     if not moving:
-        return graph
-
-    def defer(v: Value) -> bool:
-        return v in held and id(users[v][0]) in moving
-
+        return graph, {}
+    moves = lambda v: v in group and find(group[v]) in moving  # noqa: E731
+    keep = {v for j, v in enumerate(outputs) if j in returned and moves(v)}
+    addend: dict[Value, Value] = {}
+    summed: set[Value] = set()
     ops: list[Op] = []
-    # a value whose all-reduce waits: (the replica's own addend, the all-reduce to emit
-    # below the ops that move)
-    pending: dict[Value, tuple[Value, Op]] = {}
+
+    def total(v: Value) -> None:
+        """The deferred value ``v``, summed (its first reader that is not linear)."""
+        if v not in summed:
+            summed.add(v)
+            src = source[find(group[v])]
+            ops.append(Op("all_reduce", (addend[v],), (v,), src.attrs, src.loc))
+    new_inputs = list(graph.inputs)
+    for i in inputs:
+        v = graph.inputs[i]
+        new_inputs[i] = addend[v] = Value(v.type.with_replica(Replica.VARYING))
     for op in graph.ops:
-        if op.name == "all_reduce" and op.results[0] in held and defer(op.results[0]):
-            pending[op.results[0]] = (op.operands[0], op)
+        mine = planned.get(id(op))
+        if mine and moves(op.operands[mine[0]]):
+            for i, v in enumerate(op.operands):
+                if i not in mine and moves(v):
+                    total(v)  # (summed before, by an earlier reader: see ``mirrored``)
+            operands = tuple(addend[v] if i in mine else v for i, v in enumerate(op.operands))
+            if id(op) in calls:  # (the sums it returns deferred, its other results as they are)
+                body, sums = calls[id(op)]
+                results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in sums else r
+                                for j, r in enumerate(op.results))
+                ops.append(op.with_values(operands, results, (body,)))
+                addend.update((op.results[j], results[j]) for j in sums)
+                continue
+            results = tuple(Value(r.type.with_replica(Replica.VARYING)) for r in op.results)
+            ops.append(Op(op.name, operands, results, op.attrs, op.loc, (), op.impl))
+            addend.update(zip(op.results, results))
             continue
-        if id(op) not in moving:
-            ops.append(op)
+        if op.name == "all_reduce" and mine is None and moves(op.results[0]):
+            addend[op.results[0]] = op.operands[0]  # (a deferred sum's start)
             continue
-        reduce = next(pending[v][1] for v in op.operands if v in pending)
-        addends = tuple(Value(r.type.with_replica(Replica.VARYING)) for r in op.results)
-        ops.append(Op(op.name, tuple(pending.pop(v)[0] if v in pending else v
-                                     for v in op.operands), addends, op.attrs, op.loc, (),
-                      op.impl))
-        for r, addend in zip(op.results, addends):
-            if defer(r):
-                pending[r] = (addend, reduce)
-            else:
-                ops.append(reduce.with_values((addend,), (r,)))
-    return Graph(graph.inputs, tuple(ops), graph.outputs, graph.name)
+        for v in op.operands:
+            if moves(v):
+                total(v)
+        ops.append(op)
+    for v in outputs:
+        if moves(v) and v not in keep:
+            total(v)
+    hoisted = {j: source[g] for j, g in returned.items() if g in moving}
+    new_outputs = tuple(addend[v] if j in hoisted else v for j, v in enumerate(outputs))
+    return Graph(tuple(new_inputs), tuple(ops), new_outputs, graph.name), hoisted
 
 
 @dataclass(frozen=True)
@@ -634,7 +655,8 @@ class CrossReplicaSumPass:
             scale_ids = {id(scales[i]) for i in members}
             inner = {id(p) for p in inside.values()} | scale_ids
             if any(id(u) not in inner for v in inside for u in users.get(v, ())) or any(
-                    r not in inside for p in inside.values() for r in p.results):
+                    r not in inside and (users.get(r) or r in graph.outputs)
+                    for p in inside.values() for r in p.results):
                 continue  # something outside reads a value whose scale would change
             # (float16 on the way: a sum in float32 that a cast to float16 reads overflows
             # there, the seed of a float16 regularizer summed over the replicas)
