@@ -47,6 +47,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import re
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -660,9 +661,11 @@ class DynamicPath:
         prog = Program(rep, pm.records, jitted.lower(*gavals), in_layout, out_td,
                        out_varying, out_ranks)
         prog.key = key
-        # which axes of each output are padded (symbol per axis), from the symbolic graph
-        prog.dyn_out_pad = [{a: d.name for a, d in enumerate(v.type.shape) if isinstance(d, SymDim)}
-                            for v in graph.outputs]
+        # which axes of each output are padded, from the symbolic graph: per axis the
+        # symbol and how many elements fewer it has (``x[1:]``: ``("b", 1)``)
+        prog.dyn_out_pad = [{a: _out_dim(d, syms) for a, d in enumerate(v.type.shape)
+                             if isinstance(d, SymDim)} for v in graph.outputs]
+        prog.dyn_nonempty = _nonempty_syms(graph, syms)
         return prog
 
     def run(self, plan: _Plan, sizes: tuple, leaves: list) -> Any:
@@ -670,6 +673,8 @@ class DynamicPath:
         every padded axis sliced back to each replica's real size (deferred)."""
         rep, prog, n = self.rep, plan.prog, self.rep.num_replicas
         puts = plan.puts
+        if prog.dyn_nonempty:
+            _check_nonempty(rep.__name__, prog.dyn_nonempty, sizes)
         # the real sizes, one (N,) int32 vector per symbol: the program's first inputs
         flat = [puts[i](np.asarray([s[sym] for s in sizes], np.int32))
                 for i, sym in enumerate(plan.syms)]
@@ -814,13 +819,67 @@ def _pad_host(arrs: list, shape: tuple, dtype: Any, n: int) -> np.ndarray:
     return buf.reshape(global_shape(shape, n))
 
 
+def _out_dim(d: SymDim, syms: Any) -> tuple[str, int]:
+    """``(symbol, c)`` of an output's padded dim: its real size is ``max(n - c, 0)``
+    (``c`` 0 for a symbol itself, 1 for ``b - 1``, the length of ``x[1:]``)."""
+    from compiler.passes.padding import PaddingError, derived_dim
+    fam = derived_dim(d, syms)
+    if fam is None:  # (the padding pass refuses such a dim before)
+        raise PaddingError(f"padding: an output has dim {d.expr or d.name}, which is not "
+                           f"one of the dynamic dims {list(syms)} nor cut from one by a "
+                           f"constant number of elements")
+    return fam
+
+
+def _nonempty_syms(graph: Graph, syms: Any) -> tuple[tuple[str, str, str], ...]:
+    """``(symbol, dim, size)`` for each dynamic symbol ``s`` that a replica may not have at
+    size 0 (JAX traces every symbol as >= 1): a dim ``s - 1`` cut from it (``x[1:]``) is
+    ``0`` then unpadded, where its text gives -1, and a size used as a number that
+    involves ``s`` (``jnp.mean`` over ``x[1:]`` divides by it) cannot tell the two
+    apart (``x.shape[0] - 1`` is -1 unpadded); a multiple of ``s`` is 0 either way. Empty
+    when the step has no such pair."""
+    from compiler.passes.padding import derived_dim
+    cut: dict[str, str] = {}
+    sizes: dict[str, str] = {}
+    seen: set[str] = set()
+    for op, _ in graph.walk():
+        for v in op.operands + op.results:
+            for d in v.type.shape:
+                if not isinstance(d, SymDim) or d.name in seen:
+                    continue
+                seen.add(d.name)
+                fam = derived_dim(d, syms)
+                if fam is not None and fam[1] and jc.evaluate_dim(
+                        jax.export.symbolic_shape(d.expr)[0], {fam[0]: 0}) < 0:
+                    cut.setdefault(fam[0], d.expr)
+        if op.name == "dim_as_value":
+            text = str(op.attr("dim"))
+            if not re.fullmatch(r"(\d+\*)?\w+", text):
+                for s in jc.dim_vars(op.attr("dim")):
+                    sizes.setdefault(s, text)
+    return tuple((s, cut[s], sizes[s]) for s in sorted(cut) if s in sizes)
+
+
+def _check_nonempty(name: str, nonempty: tuple, sizes: tuple) -> None:
+    for s, dim, size in nonempty:
+        r = next((r for r, sz in enumerate(sizes) if sz[s] == 0), None)
+        if r is not None:
+            raise ValueError(
+                f"{name}: replica {r} has 0 elements along dynamic dim {s}, and the step "
+                f"cuts it to {dim} and uses a size {size} as a number (a mean divides by "
+                f"one): traced with {s} >= 1, its value could differ from the unpadded "
+                f"one's for an empty replica; give every replica at least one element "
+                f"along {s}, or keep that axis static (RunOptions(dynamic_dims=...))")
+
+
 def _unpadded(rep: Any, out: Any, varying: bool, rank: int, pad: dict, sizes: tuple) -> PerReplica:
-    """An output with padded axes (``pad``: axis -> symbol) as a deferred ``PerReplica``
-    of each replica's value sliced back to its real sizes."""
+    """An output with padded axes (``pad``: axis -> ``(symbol, c)``, the real size
+    ``max(n - c, 0)``) as a deferred ``PerReplica`` of each replica's value sliced back to
+    its real sizes."""
     def values() -> list:
         vals = rep.layout.split(out, rank).values if varying else [out] * len(sizes)
-        index = [tuple(slice(0, sizes[i][pad[a]]) if a in pad else slice(None)
-                       for a in range(rank)) for i in range(len(vals))]
+        index = [tuple(slice(0, max(sizes[i][pad[a][0]] - pad[a][1], 0)) if a in pad
+                       else slice(None) for a in range(rank)) for i in range(len(vals))]
         if vals and _host_read_waits(next(iter(vals[0].devices()))):
             for x, ix in zip(vals, index):  # every copy under way before the first is read
                 if not _whole(x, ix):

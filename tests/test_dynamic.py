@@ -1289,3 +1289,249 @@ def test_prefill_with_a_dynamic_batch_and_length_into_a_fixed_cache():
     got = rep(rt.PerReplica(xs))
     for r, x in enumerate(xs):
         np.testing.assert_array_equal(got.values[r], jax.jit(prefill)(x))
+
+
+# -- dims cut from a padded symbol by a constant: x[1:], x[:-1], jnp.diff (b - 1) ----------
+#: the real sizes of four replicas, and so buckets 8, 1, 2 and 4 (pow2): ``b - 1`` holds 0
+#: or 1 real rows, and ``b - 2`` has buckets 6, 0 (clamped), 0 and 2
+CUT_SIZES = [(5, 1, 2, 8), (1, 1, 1, 1), (2, 1, 2, 1), (3, 2, 1, 3)]
+
+
+def _jnp_roll_back(x):
+    """``jnp.concatenate`` of static rows and a cut one (the transpose of ``jnp.split``)."""
+    return jnp.concatenate([x[:1] * 3, x[1:]])
+
+
+CUT_FUNCS = {
+    "shift": lambda x: x[1:],  # (returned: sliced back to n - 1 rows per replica)
+    "drop_last": lambda x: x[:-1] * 2,
+    "shift_2": lambda x: x[2:],  # (JAX: - min(b, 2) + b)
+    "drop_2": lambda x: x[:-2],  # (JAX: max(0, b - 2))
+    "middle": lambda x: x[1:-1] + 1,
+    "diff": lambda x: jnp.diff(x, axis=0),
+    "neighbour_difference": lambda x: x[1:] - x[:-1],  # (an error before: test_bad_inputs)
+    "squared_steps": lambda x: jnp.sum((x[1:] - x[:-1]) ** 2, axis=0),
+    "mean_shift_2": lambda x: jnp.mean(x[2:], axis=0),
+    "var_of_diff": lambda x: jnp.var(jnp.diff(x, axis=0), axis=0),
+    "slice_in_dim": lambda x: lax.slice_in_dim(x, 1, x.shape[0]),
+    "slice_in_dim_end": lambda x: lax.slice_in_dim(x, 0, x.shape[0] - 1),
+    "cumsum": lambda x: jnp.cumsum(x[1:], axis=0),
+    "sort": lambda x: jnp.sort(x[:-1], axis=0),
+    "softmax": lambda x: jax.nn.softmax(x[1:], axis=0),
+    "max": lambda x: jnp.max(x[2:], axis=0, initial=-1.0),  # (argmax: JAX needs b - 2 >= 1)
+    "gram": lambda x: x[1:].T @ x[:-1],
+    "pairwise": lambda x: jnp.sum(x[1:, None, 0] * x[None, :-1, 1], axis=0),
+    "split": lambda x: jnp.split(x, [1])[1] * 2,
+    "concatenate": _jnp_roll_back,
+    "dynamic_slice": lambda x: lax.dynamic_slice_in_dim(x, 1, x.shape[0] - 1),
+    # (XLA clamps the start to [0, 1] unpadded and padded alike)
+    "dynamic_slice_clamped": lambda x: lax.dynamic_slice_in_dim(x, 7, x.shape[0] - 1),
+    "dynamic_slice_traced": lambda x: lax.dynamic_slice_in_dim(
+        x, (x[0, 0] > 0).astype(jnp.int32), x.shape[0] - 1),
+    "pad_negative": lambda x: lax.pad(x, 0.0, ((-1, 0, 0), (0, 0, 0))),
+    # (the same length, moved up: the last real row is the pad value, not padding)
+    "pad_shift_up": lambda x: lax.pad(x, 2.0, ((-1, 1, 0), (0, 0, 0))),
+    "set_from_row_1": lambda x: x.at[1:].set(x[:-1] * 10),
+    "add_onto_front": lambda x: x.at[:-1].add(x[1:]),
+    "update_at_0": lambda x: lax.dynamic_update_slice_in_dim(x, x[1:] * 10, 0, 0),
+    "update_traced": lambda x: lax.dynamic_update_slice_in_dim(
+        x, x[1:] * 10, (x[0, 0] > 0).astype(jnp.int32), 0),
+    "cond": lambda x: lax.cond(jnp.sum(x) > 0, lambda v: jnp.sum(v[1:] ** 2, 0),
+                               lambda v: jnp.sum(v[:-1], 0), x),
+    # gradients: the cotangent of the cut rows scattered (or padded) back into b rows
+    "grad_products": jax.grad(lambda x: jnp.sum(jnp.sin(x[1:]) * x[:-1])),
+    "grad_shift_2": jax.grad(lambda x: jnp.sum(jnp.sin(x[2:]) ** 2) + jnp.sum(x[:-2] ** 3)),
+    "grad_slice_in_dim": jax.grad(lambda x: jnp.sum(
+        lax.slice_in_dim(x, 1, x.shape[0]) ** 2 * lax.slice_in_dim(x, 0, x.shape[0] - 1))),
+    "grad_dynamic_slice": jax.grad(lambda x: jnp.sum(
+        jnp.tanh(lax.dynamic_slice_in_dim(x, 0, x.shape[0] - 1)) * 3)),
+    "grad_diff_mean": jax.grad(lambda x: jnp.mean(jnp.diff(x, axis=0) ** 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT_FUNCS))
+def test_a_padded_axis_cut_by_a_constant_equals_jit(monkeypatch, name):
+    """``x[1:]``, ``x[:-1]``, ``jnp.diff`` and the like (a dim ``b - c``) take their rows
+    from a constant start, so the real ones still come first: every rule then treats the
+    cut dim as a padded dim of its own (bucket ``max(bucket - c, 0)``, real size
+    ``max(n - c, 0)``), and a returned one comes back with ``n - c`` rows per replica.
+    The padding holds NaN; replicas of 1 and 2 rows leave 0 or 1 real rows."""
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    f = CUT_FUNCS[name]
+    step = rt.replicate(f, num_replicas=N, options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(sorted(CUT_FUNCS).index(name))
+    for sizes in CUT_SIZES:
+        xs = [rng.normal(size=(n, 3)).astype(np.float32) for n in sizes]
+        out = step(rt.PerReplica(xs))
+        for v, x in zip(out.values, xs):
+            want = jax.jit(f)(x)
+            assert np.shape(v) == want.shape, (sizes, np.shape(v), want.shape)
+            np.testing.assert_allclose(np.asarray(v), np.asarray(want), rtol=1e-5, atol=1e-5,
+                                       err_msg=str(sizes))
+
+
+def _smoothness_loss(w, x):
+    h = x @ w
+    return jnp.sum((h[1:] - h[:-1]) ** 2)
+
+
+@pytest.mark.parametrize("sizes", CUT_SIZES)
+def test_gradient_of_a_loss_over_neighbouring_rows_is_the_mean_of_jits(monkeypatch, sizes):
+    """``sum((h[1:] - h[:-1])**2)`` with ``h = x @ w``: the loss per replica and the
+    gradient of the mirrored ``w``, the mean over replicas of each one's own jit gradient
+    (loss_reduction="mean"); NaN padding."""
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    step = rt.replicate(jax.value_and_grad(_smoothness_loss), num_replicas=N,
+                        loss_reduction="mean", options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(31)
+    w = rng.normal(size=(3, 2)).astype(np.float32)
+    xs = [rng.normal(size=(n, 3)).astype(np.float32) for n in sizes]
+    loss, g = step(w, rt.PerReplica(xs))
+    want = [jax.jit(jax.value_and_grad(_smoothness_loss))(w, x) for x in xs]
+    for r in range(N):
+        np.testing.assert_allclose(loss.values[r], want[r][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g, np.mean([v[1] for v in want], 0), rtol=1e-5, atol=1e-5)
+
+
+def _next_token_loss(p, tokens):
+    """A tiny language model over a dynamic sequence axis t: every position predicts the
+    next token (``logits[:, :-1]`` against ``tokens[:, 1:]``, both of length ``t - 1``).
+    (One-hot labels: ``take_along_axis`` over an axis of ``t - 1`` asks JAX whether
+    ``t - 1 >= 1`` while tracing, which it cannot decide.)"""
+    h = jnp.tanh(p["wte"][tokens] @ p["w"])
+    logits = h @ p["out"]
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    labels = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logp.dtype)
+    return jnp.mean(-jnp.sum(logp * labels, axis=-1))
+
+
+def test_next_token_cross_entropy_on_a_dynamic_sequence_axis_equals_jit(monkeypatch):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    rng = np.random.default_rng(32)
+    vocab = 11
+    p = {"wte": rng.normal(size=(vocab, 6)).astype(np.float32),
+         "w": rng.normal(size=(6, 6)).astype(np.float32) / 2,
+         "out": rng.normal(size=(6, vocab)).astype(np.float32)}
+    fn = jax.value_and_grad(_next_token_loss)
+    step = rt.replicate(fn, num_replicas=N, loss_reduction="mean",
+                        options=rt.RunOptions(dynamic_shapes=True, dynamic_dims={1: {1: "t"}}))
+    for lengths in [(7, 2, 4, 3), (2, 9, 5, 2)]:
+        toks = [rng.integers(0, vocab, size=(3, t)).astype(np.int32) for t in lengths]
+        loss, g = step(p, rt.PerReplica(toks))
+        want = [jax.jit(fn)(p, tk) for tk in toks]
+        for r in range(N):
+            np.testing.assert_allclose(loss.values[r], want[r][0], rtol=1e-5)
+        for k in p:
+            np.testing.assert_allclose(g[k], np.mean([v[1][k] for v in want], 0), rtol=1e-4,
+                                       atol=1e-6, err_msg=k)
+    # one replica of length 1 has no next token: its mean is NaN, as jit's
+    toks = [rng.integers(0, vocab, size=(3, t)).astype(np.int32) for t in (1, 4, 2, 6)]
+    loss = rt.replicate(_next_token_loss, num_replicas=N, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: {1: "t"}}))(p, rt.PerReplica(toks))
+    for r in range(N):
+        np.testing.assert_allclose(loss.values[r], jax.jit(_next_token_loss)(p, toks[r]),
+                                   rtol=1e-5)
+
+
+def test_a_table_cut_to_a_padded_length_minus_one_equals_jit(monkeypatch):
+    """A static table sliced as long as ``b - 1`` (from a constant, or a start XLA clamps
+    against the real length): the cut dim's own real size clamps it."""
+    table = jnp.arange(48, dtype=jnp.float32).reshape(16, 3)
+    _check_padded(monkeypatch, lambda x: x[1:] + table[3:3 + x.shape[0] - 1],
+                  [(5, 3), (1, 3), (8, 3)], 33, bound=8)
+    _check_padded(monkeypatch, lambda x: x[1:] + lax.dynamic_slice_in_dim(
+        table, 14, x.shape[0] - 1), [(5, 3), (1, 3), (8, 3)], 33, bound=8)
+
+
+def test_a_cut_dim_of_an_empty_replica_used_as_a_number_is_a_clear_error():
+    """JAX traces ``b >= 1``, so ``b - 1`` is -1 for a replica of 0 rows where ``x[1:]``
+    has 0: a size used as a number (``jnp.mean`` over ``x[1:]`` divides by it) would be
+    wrong there, so such a call is an error; without one the cut is exact."""
+    xs = [np.ones((n, 2), np.float32) for n in (0, 3, 2, 1)]
+    cut = rt.replicate(lambda x: x[1:] * 2, num_replicas=N,
+                       options=rt.RunOptions(dynamic_shapes=True))
+    for v, x in zip(cut(rt.PerReplica(xs)).values, xs):
+        np.testing.assert_array_equal(v, x[1:] * 2)
+    step = rt.replicate(lambda x: jnp.mean(x[1:], axis=0), num_replicas=N,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(ValueError, match=r"replica 0 has 0 elements along dynamic dim b, and the "
+                                         r"step cuts it to b - 1 and uses a size b - 1 as a "
+                                         r"number"):
+        step(rt.PerReplica(xs))
+    # (x[2:] is max(b - 2, 0) in JAX's own text: right at 0 too)
+    step2 = rt.replicate(lambda x: jnp.mean(x[2:], axis=0), num_replicas=N,
+                         options=rt.RunOptions(dynamic_shapes=True))
+    for v, x in zip(step2(rt.PerReplica(xs)).values, xs):
+        np.testing.assert_array_equal(v, jax.jit(lambda x: jnp.mean(x[2:], axis=0))(x))
+
+
+CUT_ERRORS = {
+    "stride": (lambda x: x[::2],
+               r"padding: iota has a value of type s32\[floordiv_b_plus_1_2_\].* whose dim "
+               r"floordiv\(b \+ 1, 2\) mixes padded and real elements \(.*x\[::2\]"),
+    "half": (lambda x: x[x.shape[0] // 2:],
+             r"padding: gather has a value of type f32\[.*whose dim - floordiv\(b, 2\) \+ b mixes "
+             r"padded and real elements"),
+    "bounded_window": (lambda x: x[1:3],
+                       r"padding: gather has a value of type .*whose dim min\(b, 3\) - 1 mixes"),
+    "set_before_the_end": (lambda x: x.at[:-1].set(x[1:]),
+                           r"padding: scatter writes an update of type f32\[b_minus_1,2\] "
+                           r"varying whose axis 0 \(dim b - 1\) is 1 shorter than axis 0 \(dim b\)"
+                           r".*at a start that is not the constant 1: its padding would "
+                           r"overwrite real elements"),
+    "cut_first": (lambda x: jnp.concatenate([x[1:], x[:1]]),
+                  r"padding: concatenate puts operand 0 \(f32\[b_minus_1,2\] varying\), padded "
+                  r"along axis 0 \(dim b - 1\), before other elements of that axis"),
+    "split_before_the_end": (lambda x: jnp.split(x, [x.shape[0] - 1])[1] * 2,
+                             r"padding: split of padded axis 0 \(dim b\) into parts "
+                             r"\['b - 1', 1\]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT_ERRORS))
+def test_a_padded_axis_cut_by_anything_but_a_constant_is_a_clear_error(name):
+    """A stride, a cut that depends on the size, a window of at most a constant, a
+    ``.set`` whose padding would land on real rows, a cut operand before others: errors
+    naming the op and the line, never a silent wrong number."""
+    f, pattern = CUT_ERRORS[name]
+    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(PaddingError, match=pattern) as e:
+        step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+    assert f"test_dynamic.py:{CUT_ERRORS[name][0].__code__.co_firstlineno}" in str(e.value)
+
+
+def test_a_slice_from_a_constant_beyond_one_is_an_undecidable_size_comparison():
+    """``lax.slice_in_dim(x, 2, b)`` needs ``b >= 2``, which JAX cannot decide while
+    tracing (``x[2:]``, which clamps, is supported): an error naming the line."""
+    step = rt.replicate(lambda x: lax.slice_in_dim(x, 2, x.shape[0]), num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(ValueError, match=r"tracing <lambda> at test_dynamic.py:\d+ with dynamic "
+                                         r"dims \(b\) needs a decision.*'b' >= '2'"):
+        step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+
+
+def _cut_position_loss(p, x):
+    """A position embedding of each replica's own length minus one (``wpe[:t - 1]``, added
+    to ``x[:, 1:]``): its gradient all-reduce is deferred through the cut dim to the
+    table's gradient, as for ``wpe[:t]``."""
+    pe = p["wpe"][:x.shape[1] - 1]
+    return jnp.mean(jnp.tanh((x[:, 1:] + pe) @ p["w"]) ** 2)
+
+
+def test_position_gradient_over_a_cut_sequence_axis_equals_jit(monkeypatch):
+    import runtime.dynamic as dyn
+    monkeypatch.setattr(dyn, "_pad_host", _nan_padded)
+    rng = np.random.default_rng(34)
+    p = {"wpe": rng.normal(size=(16, 4)).astype(np.float32),
+         "w": rng.normal(size=(4, 4)).astype(np.float32)}
+    step = rt.replicate(jax.grad(_cut_position_loss), num_replicas=N, options=rt.RunOptions(
+        dynamic_shapes=True, dynamic_dims={1: (1,)}, maximum_shapes=[None, (None, 16, None)]))
+    xs = [rng.normal(size=(3, t, 4)).astype(np.float32) for t in (3, 13, 2, 5)]
+    g = step(p, rt.PerReplica(xs))
+    ref = [jax.jit(jax.grad(_cut_position_loss))(p, x) for x in xs]
+    for k in p:
+        np.testing.assert_allclose(g[k], np.mean([r[k] for r in ref], 0), rtol=1e-5,
+                                   atol=1e-6, err_msg=k)

@@ -8,6 +8,17 @@ holding this replica's real size (``size_inputs``). Contract after this pass:
 - every type is static: a plain symbol ``b`` is replaced by its bucket (``buckets``); a
   dim expression such as ``2*b`` (a concatenation or flattening over the padded axis,
   where padding would land in the middle) is an error;
+- a dim cut from a symbol by a constant ``c`` (``b - 1``, the length of ``x[1:]``,
+  ``x[:-1]``, ``jnp.diff``; JAX writes ``x[2:]``'s as ``- min(b, 2) + b``) is a padded dim
+  of its own (:func:`derived_dim`): bucket ``max(bucket(b) - c, 0)``, real size
+  ``max(n - c, 0)`` computed once at the top of the graph, and every rule below treats it
+  like ``b``. The ops that cut it keep the real elements first: ``slice`` from a constant
+  start with stride 1, ``gather``/``dynamic_slice`` (XLA clamps the start to ``[0, c]``
+  padded as unpadded), ``pad`` with a constant low end, ``split`` and ``concatenate``
+  with the padded part last; the ones that write it back keep its padding off real
+  elements (a combining ``scatter`` masks it to its identity, ``.set`` only from row
+  ``c``, ``dynamic_update_slice`` keeps what was under it, ``pad`` fills it); anything
+  else is an error;
 - ``dim_as_value`` (the size used as a number: the divisor of ``mean``/``var``, and its
   gradient) becomes ``dim_value(%n)``, evaluated on the real sizes at run time;
 - ``pad_mask(%x, %n) {axis, fill}`` (``where(iota(axis) < n, x, fill)``) is inserted
@@ -55,8 +66,10 @@ cumulative ops are exact as they are.
 """
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import numpy as np
@@ -67,7 +80,7 @@ from compiler.lower import CALL_LIKE, rule
 from compiler.passes.cross_replica_sum import is_zero
 from ir import _jax_compat as jc
 from ir.graph import Graph, Op, Opaque, Value
-from ir.jaxpr_import import import_jaxpr
+from ir.jaxpr_import import import_jaxpr, sym_dim_name
 from ir.ops import COLLECTIVES
 from ir.types import Replica, SymDim, TensorType
 
@@ -189,14 +202,70 @@ _is_dimexpr = jc.is_symbolic_dim
 
 
 def _subst_attr(v: Any, env: dict[str, int]) -> Any:
+    if isinstance(v, Opaque) and v.obj is not None and _is_dimexpr(v.obj):
+        v = v.obj
     if _is_dimexpr(v):
+        name = sym_dim_name(str(v))
+        if name in env:  # a padded dim, derived ones included: its bucket
+            return env[name]
         return int(jc.evaluate_dim(v, env))  # the expression at the bucket sizes
     if isinstance(v, tuple):
         items = [_subst_attr(x, env) for x in v]
         return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
-    if isinstance(v, Opaque) and v.obj is not None and _is_dimexpr(v.obj):
-        return int(jc.evaluate_dim(v.obj, env))
     return v
+
+
+#: the text of a dim expression that :func:`derived_dim` reads: one symbol, integers,
+#: ``min``, ``max``, ``+``, ``-`` (no product, floordiv or mod)
+_DERIVED_TEXT = re.compile(r"^[\sA-Za-z_0-9+\-(),]*$")
+
+
+def derived_dim(d: Any, plain: Iterable[str]) -> tuple[str, int] | None:
+    """``(s, c)`` when the dim ``d`` is ``max(s - c, 0)`` for a padded (``plain``) symbol
+    ``s`` and an int ``c >= 0`` (``(s, 0)``: ``s`` itself), else ``None``. JAX writes the
+    length of ``x[1:]`` as ``b - 1``, of ``x[2:]`` as ``- min(b, 2) + b`` and of
+    ``x[:-2]`` as ``max(0, b - 2)``. Read off the expression's text: made of ``s``,
+    integers, ``min``, ``max``, ``+`` and ``-`` only, it is piecewise linear with its bends
+    below the sum of its integers, so comparing it with ``max(s - c, 0)`` at every size
+    up to past that sum (from 1: JAX takes every symbol >= 1) decides it."""
+    if not isinstance(d, SymDim):
+        return None
+    plain = frozenset(plain)
+    if d.name in plain:
+        return d.name, 0
+    fam = _cut_of(d.expr) if d.expr else None
+    return fam if fam is not None and fam[0] in plain else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _cut_of(expr: str) -> tuple[str, int] | None:
+    """``(s, c)`` when ``expr`` is ``max(s - c, 0)`` with ``c >= 1`` (see
+    :func:`derived_dim`)."""
+    if not _DERIVED_TEXT.match(expr):
+        return None
+    names = set(re.findall(r"[A-Za-z_]\w*", expr))
+    bases = names - {"min", "max"}
+    if len(bases) != 1:
+        return None
+    s = bases.pop()
+    if re.search(rf"\b{re.escape(s)}\s*\(", expr) or re.search(r"\b(min|max)\b(?!\s*\()", expr):
+        return None
+    top = sum(int(t) for t in re.findall(r"\b\d+\b", expr)) + 4
+    if top > 4096:  # (not worth the sizes to compare: refused)
+        return None
+
+    def at(n: int) -> int:
+        return eval(code, {"__builtins__": {}}, {"min": min, "max": max, s: n})  # noqa: S307
+    try:
+        code = compile(expr.strip(), "<dim>", "eval")
+        c = top - at(top)
+        if not isinstance(c, int) or c < 1:
+            return None
+        if any(at(n) != max(n - c, 0) for n in list(range(1, top + 1)) + [2 * top + 7, 10**6]):
+            return None
+    except Exception:  # noqa: BLE001 - not an expression of this form
+        return None
+    return s, c
 
 
 def _is(d: Any, sym: str) -> bool:
@@ -241,6 +310,10 @@ class _Padder:
         #: all-reduce deferred until its dims are static, with that all-reduce (``deferred``)
         self.partial: dict[Value, Op] = {}
         self.producers: dict[Value, Op] = {}  # (of the graph being padded, regions walked)
+        #: per padded dim, ``(s, c)``: the symbol ``s`` it is cut from and by how much
+        #: (``(s, 0)`` for ``s``; ``(b, 1)`` for ``b - 1``, the length of ``x[1:]``)
+        self.family: dict[str, tuple[str, int]] = {sym: (sym, 0) for sym in buckets}
+        self.texts: dict[str, str] = {}  # a cut dim's JAX text (``b - 1``), for messages
 
     # -- types -----------------------------------------------------------------------
     def padded_axes(self, t: TensorType, op: Op) -> dict[int, str]:
@@ -252,10 +325,70 @@ class _Padder:
                         f"padding: {op.name} has a value of type {t} whose dim "
                         f"{d.expr or d.name} mixes "
                         f"padded and real elements (the padded axis was flattened, concatenated, "
-                        f"resized or sliced to another length: x[1:], x[:-1], jnp.diff); "
+                        f"strided, resized or cut by a number that depends on its size: "
+                        f"x[::2], x[b//2:], jnp.concatenate([x, x]); only a constant number "
+                        f"of elements may be cut off, as x[1:], x[:-2], jnp.diff do); "
                         f"padding cannot make it exact ({_loc(op)})")
                 out[i] = d.name
         return out
+
+    def dim_sym(self, d: Any) -> str | None:
+        """The padded dim (a name of :attr:`buckets`) of a dim expression in an attribute
+        (``slice_sizes``), or ``None``."""
+        if not _is_dimexpr(d):
+            return None
+        name = sym_dim_name(str(d))
+        return name if name in self.buckets else None
+
+    def text(self, sym: str) -> str:
+        """A padded dim as the user's code knows it (``b - 1``, not ``b_minus_1``)."""
+        return self.texts.get(sym, sym)
+
+    def shorter(self, r: str | None, p: str | None) -> int | None:
+        """How many elements padded dim ``r`` has fewer than another padded dim ``p`` cut
+        from the same symbol (``b - 1`` against ``b``: 1; 0 for two texts of one length,
+        ``max(0, b - 2)`` and ``- min(b, 2) + b``), when not more; else ``None`` (and for
+        ``r`` = ``p``)."""
+        fr, fp = self.family.get(r), self.family.get(p)
+        if r == p or fr is None or fp is None or fr[0] != fp[0] or fr[1] < fp[1]:
+            return None
+        return fr[1] - fp[1]
+
+    def register_derived(self, graph: Graph) -> None:
+        """Every dim of ``graph`` (regions included) that is ``max(s - c, 0)`` of a padded
+        symbol ``s`` (:func:`derived_dim`: the length of ``x[1:]``, ``x[:-2]``) becomes a
+        padded dim of its own: bucket ``max(bucket(s) - c, 0)``, real size
+        ``max(n_s - c, 0)`` computed here, at the top of the graph (regions get it as an
+        input, like the other sizes). Whether the op that makes it keeps the real elements
+        first is checked there (:meth:`slice`, :meth:`indexed`, :meth:`pad`, ...); any
+        other dim expression stays an error where it is used (:meth:`padded_axes`)."""
+        plain = [sym for sym in self.buckets if sym in self.sizes]
+        seen: set[str] = set()
+
+        def dims(vals):
+            for v in vals:
+                for d in v.type.shape:
+                    if isinstance(d, SymDim) and d.name not in self.buckets and d.name not in seen:
+                        seen.add(d.name)
+                        yield d
+        values = list(graph.inputs) + list(graph.outputs)
+        for op, _ in graph.walk():
+            values.extend(op.operands)
+            values.extend(op.results)
+            for region in op.regions:
+                values.extend(region.inputs)
+                values.extend(region.outputs)
+        for d in list(dims(values)):
+            fam = derived_dim(d, plain)
+            if fam is None:
+                continue
+            sym, c = fam
+            self.buckets[d.name] = max(self.buckets[sym] - c, 0)
+            self.family[d.name] = fam
+            self.texts[d.name] = d.expr
+            self.sizes[d.name] = self.splice(
+                lambda n, c=c: jax.numpy.maximum(n - c, 0).astype(n.dtype),
+                (self.sizes[sym],), "derived_size", None)
 
     def subst_type(self, t: TensorType, replica: Replica | None = None) -> TensorType:
         shape = tuple(self.buckets[d.name] if isinstance(d, SymDim) and d.name in self.buckets
@@ -276,6 +409,7 @@ class _Padder:
         inputs = tuple(self.new(v) for v in graph.inputs)
         for sym, i in self.size_inputs.items():
             self.sizes[sym] = inputs[i]
+        self.register_derived(graph)
         self.walk(graph.ops)
         self.check_no_partial(graph.outputs, "is a result of the step")
         outputs = tuple(self.env[v] for v in graph.outputs)
@@ -459,6 +593,8 @@ class _Padder:
             return
         if op.name == "shard" and pads[0]:
             self.check_split(op, pads[0])
+        if op.name == "slice" and pads[0]:
+            attrs = self.slice(op, pads[0], attrs)
         if op.name in ("dynamic_slice", "gather") and _has_sym(op.result.type):
             operands = self.sized_slice(op, pads, operands)
         if op.name == "dynamic_update_slice" and pads[1] and (not pads[0] or (
@@ -539,6 +675,7 @@ class _Padder:
         """``g`` padded by a padder of its own, with one real-size input per symbol
         inserted at input position ``at``."""
         sub = _Padder(self.buckets, {})
+        sub.family, sub.texts = self.family, self.texts
         size_in = [Value(self.sizes[s].type) for s in syms]
         sub.sizes = dict(zip(syms, size_in))
         ins = [sub.new(v) for v in g.inputs]
@@ -602,6 +739,12 @@ class _Padder:
             return self.pad(op, pads, operands)
         if name in INDEX_RULES:
             return self.indexed(op, pads, operands)
+        if name == "concatenate":
+            self.check_concatenate(op, pads)
+            return operands
+        if name == "split":
+            self.check_split_parts(op, pads[0])
+            return operands
         if name in STRUCTURAL:
             return operands
         # unknown op: allowed only when element-wise on every padded axis
@@ -725,7 +868,7 @@ class _Padder:
             return lax.dynamic_slice_in_dim(lax.concatenate([v, v], axis), start, size, axis)
         return self.splice(fn, (x, self.sizes[sym]), "roll", op)
 
-    def splice(self, fn: Any, args: tuple[Value, ...], name: str, op: Op) -> Value:
+    def splice(self, fn: Any, args: tuple[Value, ...], name: str, op: Op | None) -> Value:
         """``fn`` of ``args`` (padded values) as ops appended here: traced from JAX at the
         bucket sizes, imported, each op at ``op``'s location; returns its one result."""
         avals = [jax.ShapeDtypeStruct(tuple(v.type.shape), jc.dtype_from_name(v.type.dtype))
@@ -734,21 +877,25 @@ class _Padder:
         env = dict(zip(g.inputs, args))
         for o in g.ops:
             self.ops.append(o.replace(operands=tuple(env.get(v, v) for v in o.operands),
-                                      loc=op.loc))
+                                      loc=op.loc if op is not None else None))
         return env.get(g.outputs[0], g.outputs[0])
 
     def pad(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
-        """``lax.pad`` (``jnp.pad``) of a padded axis. When the result keeps the axis's
-        symbol (nothing added), nothing to do. Otherwise the padding would land inside the
+        """``lax.pad`` (``jnp.pad``) of a padded axis. When nothing is added or taken
+        there, nothing to do. Otherwise the padding would land inside the
         result (``pad(x, 0, (0, 16 - t))`` to a static 16: the unpadded result holds the
         pad value from row ``t`` on, the padded one the bucket's padding there), so the
         padding is first set to the pad value: exact when the elements added before the
         real ones (``lo``) do not depend on the size and none go between them
-        (``interior`` 0); an error otherwise."""
+        (``interior`` 0); an error otherwise. The same covers a cut dim (``b - 1``) padded
+        back to ``b`` (the gradient of ``lax.slice_in_dim(x, 0, b - 1)``: its padding
+        lands on row ``b - 1``, which holds the pad value unpadded), a negative low end
+        (``b`` cut to ``b - 1``), and a shift (``(-1, 1)``: the last real row is the pad
+        value, not the first padding row)."""
         rshape = op.result.type.shape
         config = op.attr("padding_config")
         for a, sym in pads[0].items():
-            if _is(rshape[a], sym):
+            if _is(rshape[a], sym) and tuple(config[a]) == (0, 0, 0):
                 continue
             lo, _, interior = config[a]
             if _is_dimexpr(lo) or _is_dimexpr(interior) or interior != 0:
@@ -763,7 +910,113 @@ class _Padder:
                 return jax.numpy.where(idx < n, v, value)
             operands[0] = self.splice(fill, (operands[0], self.sizes[sym], operands[1]),
                                       "pad_fill", op)
+        xshape = op.operands[0].type.shape
+        for a, d in enumerate(rshape):
+            if not isinstance(d, SymDim) and not isinstance(xshape[a], SymDim):
+                continue
+            lo, hi, interior = (int(_subst_attr(c, self.buckets)) for c in config[a])
+            n = self.bucket_of(xshape[a])
+            self.check_fits(op, a, lo + hi + n + max(n - 1, 0) * interior, rshape[a])
         return operands
+
+    def bucket_of(self, d: Any) -> int:
+        return self.buckets[d.name] if isinstance(d, SymDim) else int(d)
+
+    def check_fits(self, op: Op, axis: int, size: int, d: Any) -> None:
+        """The padded op's axis ``axis`` has ``size`` elements where its result's type
+        says ``d``: they differ only where a dim cut from a symbol has a bucket clamped at
+        0 and the op adds the elements back (never from JAX's own shapes, which keep them
+        equal at every size): an error rather than a program XLA would refuse."""
+        if size != self.bucket_of(d):
+            raise PaddingError(
+                f"padding: {op.name} makes axis {axis} of {op.results[0].type} {size} long at "
+                f"the buckets {self.buckets}, not {self.bucket_of(d)}; keep that dim static "
+                f"(RunOptions(dynamic_dims=...)) ({_loc(op)})")
+
+    # -- dims cut from a padded symbol (``x[1:]``: ``b - 1``) -------------------------------
+    def slice(self, op: Op, x_pad: dict[int, str], attrs: tuple) -> tuple:
+        """``lax.slice`` along padded axes. Keeping the whole axis (start 0, stride 1) is
+        exact as it is. Cutting it to a dim of the same symbol with ``c`` elements fewer
+        (``slice_in_dim(x, 1, b)``: ``b - 1``) takes rows ``k..`` from a constant start
+        ``k <= c`` with stride 1, so the real rows come first and the padding after:
+        the bucket's slice is the same rows, ``bucket(b) - c`` long. A static slice of
+        constant bounds is real rows (JAX proved them in range). Anything else (a
+        stride, a start or bound that depends on the size) is an error."""
+        start = list(op.attr("start_indices"))
+        limit = list(op.attr("limit_indices"))
+        strides = op.attr("strides") or (1,) * len(start)
+        rshape = op.result.type.shape
+        new_start, new_limit = list(_subst_attr(tuple(start), self.buckets)), \
+            list(_subst_attr(tuple(limit), self.buckets))
+        for a, sym in x_pad.items():
+            r, k, st = rshape[a], start[a], strides[a]
+            if isinstance(r, SymDim):
+                gap = 0 if r.name == sym else self.shorter(r.name, sym)
+                ok = gap is not None and not _is_dimexpr(k) and st == 1 and 0 <= int(k) <= gap
+                if ok:
+                    k0 = min(int(k), self.buckets[sym] - self.buckets[r.name])
+                    new_start[a], new_limit[a] = k0, k0 + self.buckets[r.name]
+                    continue
+            elif not _is_dimexpr(k) and not _is_dimexpr(limit[a]):
+                continue
+            raise PaddingError(
+                f"padding: slice of padded axis {a} (dim {self.text(sym)}) from {k} to "
+                f"{limit[a]} by {st} gives {getattr(r, 'expr', None) or r}: only a constant "
+                f"start, stride 1 and the end of the axis, or a constant number of elements "
+                f"short of it, keep the real elements first (x[1:], x[:-1]); keep that axis "
+                f"static (RunOptions(dynamic_dims=...)) ({_loc(op)})")
+        return tuple((key, tuple(new_start) if key == "start_indices" else
+                      tuple(new_limit) if key == "limit_indices" else v) for key, v in attrs)
+
+    def check_concatenate(self, op: Op, pads: list[dict[int, str]]) -> None:
+        """A concatenation along a padded axis keeps the real elements first only when the
+        one padded operand there comes last, after static ones (``[x[:1], x[1:]]``, the
+        transpose of a split); anywhere else its padding would land between real
+        elements: an error."""
+        k = op.attr("dimension")
+        along = [i for i, p in enumerate(pads) if k in p]
+        if not along:
+            return
+        last = len(op.operands) - 1
+        r = op.result.type.shape[k]
+        if along != [last] or not isinstance(r, SymDim):
+            i = along[0] if along[0] != last else along[-1]
+            raise PaddingError(
+                f"padding: concatenate puts operand {i} ({op.operands[i].type}), padded along "
+                f"axis {k} (dim {self.text(pads[i][k])}), before other elements of that "
+                f"axis: its padding would land between real elements; only the last operand "
+                f"may be padded there; keep that axis static (RunOptions(dynamic_dims=...)) "
+                f"({_loc(op)})")
+        static = sum(int(v.type.shape[k]) for v in op.operands[:-1])
+        fam = self.family[pads[last][k]]
+        if self.family.get(r.name) != (fam[0], fam[1] - static):
+            raise PaddingError(f"padding: concatenate of {static} elements and dim "
+                               f"{self.text(pads[last][k])} gives {r.expr or r.name} "
+                               f"({_loc(op)})")
+        self.check_fits(op, k, static + self.buckets[pads[last][k]], r)
+
+    def check_split_parts(self, op: Op, x_pad: dict[int, str]) -> None:
+        """``split`` along a padded axis: static parts first, then one part as long as the
+        rest of the axis (``jnp.split(x, [1])``: ``1`` and ``b - 1``), which starts at a
+        constant and ends where the axis does, so its real elements come first; a padded
+        part before another would end inside the padding: an error."""
+        a = op.attr("axis")
+        if a not in x_pad:
+            return
+        dims = [r.type.shape[a] for r in op.results]
+        static = dims[:-1]
+        last = dims[-1]
+        fam = self.family[x_pad[a]]
+        if any(isinstance(d, SymDim) for d in static) or not isinstance(last, SymDim) or \
+                self.family.get(last.name) != (fam[0], fam[1] + sum(static)):
+            parts = [d.expr or d.name if isinstance(d, SymDim) else d for d in dims]
+            raise PaddingError(
+                f"padding: split of padded axis {a} (dim {self.text(x_pad[a])}) into parts "
+                f"{parts}: only the last part may depend on the size (the others would end "
+                f"inside the padding); keep that axis static (RunOptions(dynamic_dims=...)) "
+                f"({_loc(op)})")
+        self.check_fits(op, a, sum(static) + self.buckets[last.name],
+                        op.operands[0].type.shape[a])
 
     def conv(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
         """A convolution over padded dims. Exact: the batch dim of the input (rows never
@@ -879,21 +1132,33 @@ class _Padder:
         bucket = lambda a: self.buckets[x_pad[a]]  # noqa: E731
         if name == "dynamic_slice" or name == "dynamic_update_slice":
             first = 1 if name == "dynamic_slice" else 2
-            if name == "dynamic_update_slice":
-                self.check_window(op, op.operands[1].type, pads[1],
-                                  {a: a for a in range(op.operands[1].type.rank)}, x_pad)
             for a, sym in x_pad.items():
                 size = (op.attr("slice_sizes")[a] if name == "dynamic_slice"
                         else op.operands[1].type.shape[a])
                 if not isinstance(size, (int, np.integer)):
-                    continue  # the whole padded axis: the start can only be 0
+                    if name == "dynamic_slice":
+                        self.check_cut_window(op, a, sym, size)
+                    continue  # (XLA clamps the start as it would unpadded)
                 i = first + a
                 operands[i] = self.pad_index(operands[i], -1, int(size), "clip", 0, sym, op)
+            if name == "dynamic_update_slice":
+                upd_pad = dict(pads[1])
+                cut = {a: r for a, r in pads[1].items()
+                       if self.shorter(r, x_pad.get(a)) is not None}
+                if cut:
+                    operands[1] = self.merged_under(op, cut, operands)
+                    for a in cut:
+                        del upd_pad[a]
+                self.check_window(op, op.operands[1].type, upd_pad,
+                                  {a: a for a in range(op.operands[1].type.rank)}, x_pad)
             return operands
         dn = _live(op, "dimension_numbers")
         mode = getattr(_live(op, "mode"), "name", None)
         if name == "gather":
             sizes = op.attr("slice_sizes")
+            for a in x_pad:
+                if not isinstance(sizes[a], (int, np.integer)):
+                    self.check_cut_window(op, a, x_pad[a], sizes[a])
             for j, a in enumerate(dn.start_index_map):
                 if a not in x_pad or not isinstance(sizes[a], (int, np.integer)):
                     continue
@@ -911,6 +1176,9 @@ class _Padder:
         for d, sym in pads[2].items():
             if self.window_onto_static(op, d, to_operand.get(d), sym, x_pad):
                 operands[2] = self.mask(operands[2], d, sym, _SCATTER_IDENTITY[name], op)
+                del upd_pad[d]
+            elif self.shorter(sym, x_pad.get(to_operand.get(d))) is not None:
+                self.cut_window_onto_padded(op, d, to_operand[d], sym, x_pad, operands)
                 del upd_pad[d]
         self.check_window(op, upd_t, upd_pad, to_operand, x_pad)
         for j, a in enumerate(dn.scatter_dims_to_operand_dims):
@@ -933,6 +1201,76 @@ class _Padder:
                 operands[1] = self.mask(operands[1], a, sym, str(past), op)
         return operands
 
+    def check_cut_window(self, op: Op, a: int, sym: str, size: Any) -> None:
+        """A ``gather``/``dynamic_slice`` window along padded axis ``a`` (dim ``sym``) as
+        long as a dim: the whole axis (its start clamps to 0, padded or not), or a dim cut
+        from the same symbol with ``c`` elements fewer (``x[1:]``: ``b - 1`` from ``b``).
+        XLA clamps the start of the cut window to ``[0, c]`` unpadded and padded alike
+        (the bucket is ``c`` longer than the window too), and ``fill`` mode fills out of
+        that same range, so the window takes the same real rows and its real elements
+        come first; a window whose bucket is clamped at 0 holds no real element. Any
+        other dim is an error."""
+        r = self.dim_sym(size)
+        if r == sym or self.shorter(r, sym) is not None:
+            return
+        raise PaddingError(
+            f"padding: {op.name} takes a window of {size} along padded axis {a} (dim "
+            f"{self.text(sym)}): "
+            f"only the whole axis or a constant number of elements fewer keep the real "
+            f"elements first; keep that axis static (RunOptions(dynamic_dims=...)) "
+            f"({_loc(op)})")
+
+    def cut_window_onto_padded(self, op: Op, d: int, a: int, sym: str, x_pad: dict[int, str],
+                               operands: list[Value]) -> None:
+        """A scatter of an update whose axis ``d`` is cut from the symbol of the operand's
+        padded axis ``a`` (the gradient of ``x[:-1]``: a ``b - 1`` cotangent added into a
+        ``b``-row zero buffer at row 0): the update's padding would land on real rows of
+        the operand. Out of range (dropped, or clamped in ``clip`` mode) exactly when the
+        real window would be, since the bucket is ``c`` longer than the window as the real
+        size is. A combining scatter has the update's padding set to its identity, so it
+        adds nothing there; a plain scatter (``.at[].set``) is exact only when every window
+        starts at the constant ``c``, where the padding lands on the operand's padding;
+        otherwise it is an error."""
+        gap = self.shorter(sym, x_pad[a])
+        if op.name in _SCATTER_IDENTITY:
+            operands[2] = self.mask(operands[2], d, sym, _SCATTER_IDENTITY[op.name], op)
+            return
+        dn = _live(op, "dimension_numbers")
+        starts = np.zeros((1,), np.int64)
+        if a in dn.scatter_dims_to_operand_dims:
+            known = _constant(op.operands[1], self.producers)
+            starts = None if known is None else known[..., dn.scatter_dims_to_operand_dims.index(a)]
+        if starts is None or not starts.size or (starts != gap).any():
+            raise PaddingError(
+                f"padding: {op.name} writes an update of type {op.operands[2].type} whose axis "
+                f"{d} (dim {self.text(sym)}) is {gap} shorter than axis {a} (dim "
+                f"{self.text(x_pad[a])}) of "
+                f"{op.operands[0].type}, at a start that is not the constant {gap}: its "
+                f"padding would overwrite real elements (x.at[:-1].set(y)); write from "
+                f"row {gap} (x.at[{gap}:].set(y)), add instead (.at[].add), or keep that "
+                f"axis static (RunOptions(dynamic_dims=...)) ({_loc(op)})")
+
+    def merged_under(self, op: Op, cut: dict[int, str], operands: list[Value]) -> Value:
+        """The update of a ``dynamic_update_slice`` whose axes ``cut`` are shorter than the
+        operand's padded ones of the same symbol (the gradient of a cut
+        ``dynamic_slice``): its padding would overwrite real rows, so it is replaced by
+        what the operand holds there (read at the start XLA clamps both ops to), and the
+        write leaves those rows as they were, as the real update does."""
+        rank = op.operands[0].type.rank
+        axes = sorted(cut)
+
+        def fn(x, u, *rest):
+            starts, ns = list(rest[:rank]), rest[rank:]
+            under = lax.dynamic_slice(x, starts, u.shape)
+            keep = None
+            for a, n in zip(axes, ns):
+                inside = lax.broadcasted_iota(np.int32, u.shape, a) < n
+                keep = inside if keep is None else keep & inside
+            return jax.numpy.where(keep, u, under)
+        sizes = tuple(self.sizes[cut[a]] for a in axes)
+        return self.splice(fn, (operands[0], operands[1], *operands[2:], *sizes),
+                           "merged_under", op)
+
     def sized_slice(self, op: Op, pads: list[dict[int, str]], operands: list[Value]) -> list[Value]:
         """A ``dynamic_slice``/``gather`` whose slice is as long as a padded dim along an
         axis of its operand that is not padded (``dynamic_slice(table, i, t)``): XLA
@@ -954,9 +1292,10 @@ class _Padder:
         dims = op.operands[0].type.shape
         for a, where in axes:
             size = sizes[a]
-            if not _is_dimexpr(size) or a in x_pad or str(size) not in self.buckets:
+            sym = self.dim_sym(size)
+            if sym is None or a in x_pad:
                 continue
-            sym, dim, bucket = str(size), int(dims[a]), self.buckets[str(size)]
+            dim, bucket = int(dims[a]), self.buckets[sym]
             if op.name == "gather":
                 mode = self.index_mode(op, getattr(_live(op, "mode"), "name", None), a, sym)
             start = op.operands[where] if op.name == "dynamic_slice" else op.operands[1]
