@@ -36,4 +36,6 @@ assert len(jax.devices()) >= 8, "tests need 8 virtual CPU devices (XLA_FLAGS set
 
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
-                     help="long modes: the semantics fuzzer runs 1000 random programs")
+                     help="long modes: the semantics fuzzer runs 1000 random programs, the "
+                          "semantics corpus its whole matrix, every client port both "
+                          "replica counts, the cut-dim tests all their size sets")
