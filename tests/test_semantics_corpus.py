@@ -4,9 +4,10 @@ every output that differs, with the factor when it is a constant one, e.g. N×).
 
 The matrix is N ∈ {1, 2, 4, 8} × {mean, sum} × {static, dynamic shapes} × K ∈ {1, 2}
 logical devices (N·K ≤ 8; dynamic shapes where the construct allows them). By default
-each construct runs eight cells that cover every pair of levels (an orthogonal array,
-rotated per construct so the corpus visits every cell); ``pytest --long`` runs every
-construct in every cell (about 2,000 runs)."""
+each construct runs four cells, every N and both levels of the other factors (half of an
+orthogonal array that covers every pair of levels, the halves taken in turn and rotated
+per construct so the corpus visits every cell); ``pytest --long`` runs every construct in
+every cell (about 2,000 runs)."""
 from __future__ import annotations
 
 from differential import covering, matrix, run_case, seed_of
