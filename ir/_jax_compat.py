@@ -1375,6 +1375,13 @@ def evaluate_dim(expr: Any, env: dict[str, Any]) -> Any:
     return expr._evaluate(env)
 
 
+def parse_dim(text: str) -> Any:
+    """The symbolic dimension expression JAX prints as ``text`` (``b - 1``,
+    ``max(0, b - 2)``), read back by JAX's own parser; ``ValueError`` for other text."""
+    (dim,) = jax.export.symbolic_shape(text)
+    return dim
+
+
 def dim_vars(expr: Any) -> tuple[str, ...]:
     """Names of the variables in a symbolic dimension expression, sorted."""
     return tuple(sorted(str(s) for s in expr._get_vars()))

@@ -224,10 +224,11 @@ def derived_dim(d: Any, plain: Iterable[str]) -> tuple[str, int] | None:
     """``(s, c)`` when the dim ``d`` is ``max(s - c, 0)`` for a padded (``plain``) symbol
     ``s`` and an int ``c >= 0`` (``(s, 0)``: ``s`` itself), else ``None``. JAX writes the
     length of ``x[1:]`` as ``b - 1``, of ``x[2:]`` as ``- min(b, 2) + b`` and of
-    ``x[:-2]`` as ``max(0, b - 2)``. Read off the expression's text: made of ``s``,
-    integers, ``min``, ``max``, ``+`` and ``-`` only, it is piecewise linear with its bends
-    below the sum of its integers, so comparing it with ``max(s - c, 0)`` at every size
-    up to past that sum (from 1: JAX takes every symbol >= 1) decides it."""
+    ``x[:-2]`` as ``max(0, b - 2)``. The expression's text, read back by JAX's parser:
+    made of ``s``, integers, ``min``, ``max``, ``+`` and ``-`` only, it is piecewise
+    linear with its bends below the sum of its integers, so comparing its value (JAX's
+    evaluation) with ``max(s - c, 0)`` at every size up to past that sum (from 1: JAX
+    takes every symbol >= 1) decides it."""
     if not isinstance(d, SymDim):
         return None
     plain = frozenset(plain)
@@ -240,30 +241,26 @@ def derived_dim(d: Any, plain: Iterable[str]) -> tuple[str, int] | None:
 @functools.lru_cache(maxsize=1024)
 def _cut_of(expr: str) -> tuple[str, int] | None:
     """``(s, c)`` when ``expr`` is ``max(s - c, 0)`` with ``c >= 1`` (see
-    :func:`derived_dim`)."""
+    :func:`derived_dim`): parsed by JAX (``jc.parse_dim``) and evaluated by it."""
     if not _DERIVED_TEXT.match(expr):
         return None
-    names = set(re.findall(r"[A-Za-z_]\w*", expr))
-    bases = names - {"min", "max"}
-    if len(bases) != 1:
+    try:
+        dim = jc.parse_dim(expr.strip())
+        names = jc.dim_vars(dim)
+    except Exception:  # noqa: BLE001 - not an expression JAX reads back
         return None
-    s = bases.pop()
-    if re.search(rf"\b{re.escape(s)}\s*\(", expr) or re.search(r"\b(min|max)\b(?!\s*\()", expr):
+    if len(names) != 1 or set(re.findall(r"[A-Za-z_]\w*", expr)) - {"min", "max", names[0]}:
         return None
+    s = names[0]
     top = sum(int(t) for t in re.findall(r"\b\d+\b", expr)) + 4
     if top > 4096:  # (not worth the sizes to compare: refused)
         return None
 
     def at(n: int) -> int:
-        return eval(code, {"__builtins__": {}}, {"min": min, "max": max, s: n})  # noqa: S307
-    try:
-        code = compile(expr.strip(), "<dim>", "eval")
-        c = top - at(top)
-        if not isinstance(c, int) or c < 1:
-            return None
-        if any(at(n) != max(n - c, 0) for n in list(range(1, top + 1)) + [2 * top + 7, 10**6]):
-            return None
-    except Exception:  # noqa: BLE001 - not an expression of this form
+        return int(jc.evaluate_dim(dim, {s: n}))
+    c = top - at(top)
+    if c < 1 or any(at(n) != max(n - c, 0)
+                    for n in list(range(1, top + 1)) + [2 * top + 7, 10**6]):
         return None
     return s, c
 
