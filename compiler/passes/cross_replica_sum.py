@@ -257,10 +257,9 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
 # that returns a deferred narrow sum (a ``jax.checkpoint``ed layer slicing its cast
 # weight) returns the replica's addend, and the sum follows the call.
 _SUMS = frozenset({"add_any", "add"})
-#: ops linear in their one operand
-_LINEAR_UNARY_SINK = frozenset({"reduce_sum", "reshape", "transpose", "squeeze", "expand_dims",
-                                "copy", "copy_p", "slice", "cumsum", "neg", "rev",
-                                "broadcast_in_dim", "split", "reduce_precision"})
+#: ops a deferred sum passes as it is (``_LINEAR_UNARY`` less the cast, which only
+#: between float types: ``_float_cast``; a split; a rounding, done per replica as pmap does)
+_LINEAR_UNARY_SINK = (_LINEAR_UNARY - {"convert_element_type"}) | {"split", "reduce_precision"}
 
 
 def _float_dtype(name: str) -> Any:
@@ -275,16 +274,10 @@ def _sinkable_reduce(op: Op, enclosing: bool) -> bool:
             and _float_dtype(op.operands[0].type.dtype) is not None)
 
 
-def _cast_kind(op: Op) -> str | None:
-    """``"widen"`` / ``"narrow"`` for a cast between float types to a wider / narrower
-    one (``"same"`` for one as wide), else ``None``."""
-    if op.name != "convert_element_type":
-        return None
-    a, b = (_float_dtype(v.type.dtype) for v in (op.operands[0], op.results[0]))
-    if a is None or b is None:
-        return None
-    return "widen" if b.itemsize > a.itemsize else "narrow" if b.itemsize < a.itemsize \
-        else "same"
+def _float_cast(op: Op) -> bool:
+    """Is ``op`` a cast between float types (a rounding or a widening)?"""
+    return op.name == "convert_element_type" and all(
+        _float_dtype(v.type.dtype) is not None for v in (op.operands[0], op.results[0]))
 
 
 def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
@@ -294,8 +287,8 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
     replica's addends and its results are deferred sums too."""
     name, ops_ = op.name, op.operands
     rest = [v for i, v in enumerate(ops_) if i not in mine]
-    if name in _LINEAR_UNARY_SINK or name == "convert_element_type":
-        return len(ops_) == 1 and (name != "convert_element_type" or _cast_kind(op) is not None)
+    if name in _LINEAR_UNARY_SINK or _float_cast(op):
+        return len(ops_) == 1
     if name in _SUMS or name == "sub":
         return not rest
     if name == "concatenate":  # (pieces of zeros: as they are)
@@ -485,7 +478,6 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
         if not mine:
             continue
         roots = {find(group[op.operands[i]]) for i in mine}
-        cast = _cast_kind(op)
         through = None  # (a call: its region with the deferred inputs, the sums it returns)
         if len({kind[g] for g in roots}) == 1 and op.name in _CALLS and len(op.regions) == 1 \
                 and len(op.regions[0].inputs) == len(op.operands) == len(set(op.operands)):
@@ -501,7 +493,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
             needed.update(op.operands[i] for i in mine)
             continue
         g = min(roots)
-        if roots & rounds or cast is not None or op.name == "reduce_precision" or (
+        if roots & rounds or _float_cast(op) or op.name == "reduce_precision" or (
                 through is not None and _float_dtype(op.operands[mine[0]].type.dtype)
                 .itemsize < 4):  # (a narrow sum out of a call: a float16 mean can follow)
             rounds.add(g)  # (a cast between float types rounds, or widens: see above)
