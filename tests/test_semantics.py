@@ -617,7 +617,8 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
     by the call, then moved out of it), a constant factor between cast and use, and a
     ``jnp`` function there, jitted by JAX (``jnp.pad``, ``where``, ``cumsum``: the call is
     inlined), or a ``concatenate`` (its transpose splits the sum; before, each of those
-    kept the sum in the narrow type). (Not yet: a ``lax.scan`` between them.)"""
+    kept the sum in the narrow type); a ``lax.scan`` between them:
+    ``test_low_precision_sums_follow_linear_ops_to_the_cast``."""
     loss, rows, reduction = _ROUNDINGS[name]
     x = np.asarray(rows, np.float32)
     n, w = len(rows), jnp.ones((2 if "slice" in name else 1,), jnp.float32)
@@ -643,6 +644,21 @@ _CHAINS = {  # name: what the step does with a float32 weight cast to a narrow t
     "float8_round_trip_sliced": lambda v, x: x @ v.astype(jnp.float8_e4m3fn).astype(v.dtype)[:, :4],
     "concat_with_zeros": lambda v, x: x @ jnp.concatenate([v, jnp.zeros_like(v)], 1)[:, 2:6],
     "scaled_then_sliced": lambda v, x: x @ (v * 2)[:, :4],
+    # a scan between the cast and the use (the replicas' data read after it, so the
+    # cotangent the backward scan takes is already summed): over the weight's rows (a scan
+    # over layers), over pieces stacked, closing over it, a fori_loop, a carry scaled (the
+    # backward scan is linear in the cotangent; a carry sums the steps' cotangents from zero)
+    "scan_over_rows": lambda v, x: x[:, :4] * lax.scan(
+        lambda c, w: (c + w, None), jnp.zeros((4,), v.dtype), v[:, :4])[0],
+    "scan_over_stacked_pieces": lambda v, x: lax.scan(
+        lambda c, w: (c + x @ w, None), jnp.zeros((1, 4), v.dtype),
+        jnp.stack([v[:, :4], v[:, 2:]]))[0],
+    "scan_closing_over_it": lambda v, x: x[:, :4] * lax.scan(
+        lambda c, _: (c + v[0, :4], None), jnp.zeros((4,), v.dtype), None, length=2)[0],
+    "fori_loop_closing_over_it": lambda v, x: x[:, :4] * lax.fori_loop(
+        0, 2, lambda i, c: c + v[0, :4], jnp.zeros((4,), v.dtype)),
+    "scan_carry_scaled": lambda v, x: x[:, :4] * lax.scan(
+        lambda c, _: (c * c.dtype.type(2), None), v[0, :4], None, length=2)[0],
 }
 
 
@@ -651,7 +667,9 @@ _CHAINS = {  # name: what the step does with a float32 weight cast to a narrow t
 def test_low_precision_sums_follow_linear_ops_to_the_cast(name, low):
     """A float32 weight cast to bfloat16/float16 in the step, then sliced, scaled, used
     twice, centred, reduced, round-tripped through float8 or concatenated, inside a
-    ``jax.checkpoint``/``jax.jit`` layer or outside: every replica rounds its own
+    ``jax.checkpoint``/``jax.jit`` layer or outside, or scanned over (a scan over the
+    stacked layers, one closing over the weight, a ``fori_loop``: the backward scan runs
+    on each replica's cotangent, and the sum follows it): every replica rounds its own
     cotangent and the float32 gradients are summed (pmap's numbers, exactly: bf16
     cotangents 256 and 1 summed to 257, eight float16 cotangents of 10000 to 80000). The
     sum is deferred through the ops linear in it to where pmap code sums (found by a

@@ -20,6 +20,10 @@ Contract:
 - no ``loss_scale`` op is left (lowering refuses one: a pipeline without this pass fails
   instead of silently computing ``"sum"``). Gradient all-reduces stay sums (so buckets
   merge them all); a ``"mean"`` shows as the division by N that follows;
+- a gradient all-reduce of a float value on whose way to the outputs a float cast
+  (mixed precision) or ``reduce_precision`` rounds, or of a float16 one, runs after
+  the ops linear in it (``_defer_sums``: slices, sums, casts, calls, scans...), as pmap
+  code sums after each replica's cast back; float32 programs keep their sums in place;
 - every all-reduce made by transposition (the backward pass) gets ``gradient=True``;
   where float16 values are on the way from such all-reduces to a ``"mean"`` division
   through linear ops only, the division moves below them and they become all-reduces
@@ -151,6 +155,8 @@ def _updates_zeros(op: Op, producers: dict[Value, Op]) -> bool:
 
 #: ops linear in every operand: each must be made of such all-reduces
 _LINEAR_SUMS = frozenset({"add_any", "add", "sub", "concatenate"})
+#: ops that cut their one operand into pieces (``unstack``: the transpose of a stack)
+_SPLITS = frozenset({"split", "unstack"})
 #: ops linear in one operand (``div``: its numerator), the other a factor
 _LINEAR_ONE_SIDED = frozenset({"mul", "dot_general", "div"})
 
@@ -163,10 +169,10 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
         return memo[v]
     p = producers.get(v)
     out = False
-    if p is not None and (len(p.results) == 1 or p.name == "split") and depth < 512:
+    if p is not None and (len(p.results) == 1 or p.name in _SPLITS) and depth < 512:
         if _mean_candidate(p, enclosing):
             out = True
-        elif p.name in _LINEAR_UNARY or p.name == "split" or (
+        elif p.name in _LINEAR_UNARY or p.name in _SPLITS or (
                 p.name in _LINEAR_ZERO_REST and all(
                     is_zero(u, producers) for u in p.operands[1:])):
             out = _holds_reduce(p.operands[0], producers, enclosing, memo, depth + 1)
@@ -210,7 +216,7 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
         v, reader, pos = stack.pop()
         p = producers.get(v)
         readers[id(reader)] = reader
-        if p is None or (len(p.results) != 1 and p.name != "split") or not holds_reduce(v):
+        if p is None or (len(p.results) != 1 and p.name not in _SPLITS) or not holds_reduce(v):
             others.add((id(reader), pos))
             continue
         if v in inside:
@@ -218,7 +224,7 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
         inside[v] = p
         if _mean_candidate(p, enclosing):
             reduces[id(p)] = p
-        elif p.name in _LINEAR_UNARY or p.name in _LINEAR_ZERO_REST or p.name == "split":
+        elif p.name in _LINEAR_UNARY or p.name in _LINEAR_ZERO_REST or p.name in _SPLITS:
             stack.append((p.operands[0], p, 0))  # (zeros: as they are)
         elif p.name == "dynamic_update_slice":  # (into zeros: ``_holds_reduce``)
             stack.append((p.operands[1], p, 1))
@@ -258,8 +264,8 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
 # weight) returns the replica's addend, and the sum follows the call.
 _SUMS = frozenset({"add_any", "add"})
 #: ops a deferred sum passes as it is (``_LINEAR_UNARY`` less the cast, which only
-#: between float types: ``_float_cast``; a split; a rounding, done per replica as pmap does)
-_LINEAR_UNARY_SINK = (_LINEAR_UNARY - {"convert_element_type"}) | {"split", "reduce_precision"}
+#: between float types: ``_float_cast``; the splits; a rounding, done per replica as pmap does)
+_LINEAR_UNARY_SINK = (_LINEAR_UNARY - {"convert_element_type"}) | _SPLITS | {"reduce_precision"}
 
 
 def _float_dtype(name: str) -> Any:
@@ -438,10 +444,13 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
         return graph, {}
     made: list = []  # (the producers, made on first need: only zero checks read them)
 
-    def zero(v: Value) -> bool:
+    def producers() -> dict[Value, Op]:
         if not made:
             made.append(graph.producers())
-        return is_zero(v, made[0])
+        return made[0]
+
+    def zero(v: Value) -> bool:
+        return is_zero(v, producers())
 
     parent: dict[int, int] = {}
 
@@ -458,6 +467,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
     needed: set[Value] = set()    # deferred values something else reads
 
     calls: dict[int, tuple[Graph, dict[int, Op]]] = {}  # planned call id -> region, sums
+    scans: set[int] = set()  # (the planned calls that are scans: ``calls`` holds the op)
 
     def mirrored(v: Value) -> bool:  # (a deferred value summed before: as it is)
         return (v not in group or v in needed) and v.type.replica is Replica.MIRRORED
@@ -488,6 +498,11 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
                 memo[key] = (body, *_defer_sums(body, inner, memo, returns=True,
                                                 inputs={i: src for i in mine}))
             through = memo[key][1:]
+        loop = None  # (a scan: the op with its body taking addends, the addend results)
+        if len({kind[g] for g in roots}) == 1 and op.name == "scan":
+            loop = _scan_of_addends(op, mine, producers())
+            if loop is not None:
+                through = (loop[0], dict.fromkeys(loop[1]))
         if len({kind[g] for g in roots}) != 1 or (
                 through is None and not _linear_in(op, mine, mirrored, zero)):
             needed.update(op.operands[i] for i in mine)
@@ -502,6 +517,8 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
         planned[id(op)] = mine
         if through is not None:
             calls[id(op)] = through
+            if loop is not None:
+                scans.add(id(op))
             for j in through[1]:
                 group[op.results[j]] = g
             continue
@@ -524,6 +541,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
     addend: dict[Value, Value] = {}
     summed: set[Value] = set()
     ops: list[Op] = []
+    retype = False
 
     def total(v: Value) -> None:
         """The deferred value ``v``, summed (its first reader that is not linear)."""
@@ -546,7 +564,11 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
                 body, sums = calls[id(op)]
                 results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in sums else r
                                 for j, r in enumerate(op.results))
-                ops.append(op.with_values(operands, results, (body,)))
+                if id(op) in scans:  # (``body`` is the scan with its body lifted)
+                    retype = True
+                    ops.append(body.with_values(operands, results, body.regions))
+                else:
+                    ops.append(op.with_values(operands, results, (body,)))
                 addend.update((op.results[j], results[j]) for j in sums)
                 continue
             results = tuple(Value(r.type.with_replica(Replica.VARYING)) for r in op.results)
@@ -565,7 +587,49 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
             total(v)
     hoisted = {j: source[g] for j, g in returned.items() if g in moving}
     new_outputs = tuple(addend[v] if j in hoisted else v for j, v in enumerate(outputs))
-    return Graph(tuple(new_inputs), tuple(ops), new_outputs, graph.name), hoisted
+    new = Graph(tuple(new_inputs), tuple(ops), new_outputs, graph.name)
+    if retype:  # (a scan's carry that starts at a mirrored zero now holds an addend)
+        from compiler.passes.replication import annotate
+        new = annotate(new, [v.type.replica or Replica.VARYING for v in new.inputs])[0]
+    return new, hoisted
+
+
+def _scan_of_addends(op: Op, mine: list[int], producers: dict[Value, Op]
+                     ) -> tuple[Op, set[int]] | None:
+    """The scan ``op`` run on the replicas' addends of its operands at ``mine`` (deferred
+    sums), when it is linear in them (each step's ops, as ``hoist-collectives`` checks
+    them: a carry that takes an addend starts as one or at zero): the op with its body
+    rewritten and the positions of its results that are then addends; ``None`` when it
+    is not linear in them, or its body holds a collective (it stays summed before).
+    The backward scan over a stacked weight cast to bfloat16 (a scan over layers), or
+    over a cast weight it closes over, then sums after the cast back, as pmap code does."""
+    from compiler.passes.hoist_collectives import _has_collective, _Lifter, _Refused
+    if _has_collective(op):
+        return None
+    n_consts, n_carry = op.attr("num_consts"), op.attr("num_carry")
+    if n_consts is None or n_carry is None:
+        return None
+    body = op.regions[op.attr("jaxpr").index]
+    # a carry the addends reach (the cotangent of a weight the scan closes over, summed
+    # over the steps) takes addends too: it must start at zero (every replica's addend)
+    reached = set(mine)
+    while True:
+        seen = {v for i, v in enumerate(body.inputs) if i in reached}
+        for o in body.ops:
+            if any(v in seen for v in o.operands):
+                seen.update(o.results)
+        more = {n_consts + k for k in range(n_carry) if body.outputs[k] in seen} - reached
+        if not more:
+            break
+        reached |= more
+    reads = [i in mine or (i in reached and is_zero(v, producers))
+             for i, v in enumerate(op.operands)]
+    try:
+        return _Lifter(1)._scan(op, reads, producers)
+    except _Refused:
+        return None
+
+
 
 
 @dataclass(frozen=True)
