@@ -2109,6 +2109,16 @@ def define_scale_primitive(name: str) -> Primitive:
 
 
 # -- multi-process ----------------------------------------------------------------------
+def distributed_client() -> Any:
+    """``jax.distributed``'s client of the coordination service (its key-value store), or
+    ``None`` when this process has not joined others (JAX has no public handle to it)."""
+    try:
+        from jax._src import distributed as _d
+        return _d.global_state.client
+    except Exception:  # noqa: BLE001 - the private state moved: as if not initialized
+        return None
+
+
 def distributed_initialized() -> bool:
     """Whether ``jax.distributed.initialize`` has run in this process (JAX has no public
     query for it in 0.10 or 0.11)."""

@@ -15,7 +15,7 @@ from runtime.divergence import DivergingStateWarning
 from runtime.per_replica import PerReplica, distribute, reduce
 from runtime.replicate import Replicated, RunOptions, replicate
 from runtime.stages import Compiled, Lowered
-from runtime.distributed import initialize_distributed
+from runtime.distributed import ProcessMismatchError, initialize_distributed
 from runtime.iterators import (DistributedIterator, ValueContext, distribute_iterator,
                                distribute_steps, distribute_values_from_function)
 from runtime.sync_on_read import SyncOnRead
@@ -31,7 +31,7 @@ __all__ = [
     "assign_to_logical_device", "split_to_logical_devices", "num_logical_devices", "replicate_to_logical_devices",
     "Lowered", "Compiled", "CacheInfo",
     "distribute_iterator", "DistributedIterator", "distribute_values_from_function",
-    "ValueContext", "distribute_steps", "SyncOnRead", "initialize_distributed",
+    "ValueContext", "distribute_steps", "SyncOnRead", "initialize_distributed", "ProcessMismatchError",
     "distribute_uneven", "tpu", "tpu_devices", "CompileOnlyError", "DoesNotFitError",
     "DivergingStateWarning", "ShardingConstraintError",
 ]

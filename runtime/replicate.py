@@ -471,6 +471,9 @@ class Replicated:
         """A cache miss: trace, then the persistent cache's record of that program when
         there is one, else passes, lower and compile (and store the result on disk)."""
         from runtime import persistent
+        if self._process_count > 1:  # (every process must build the same program)
+            from runtime.distributed import check_same_arguments, describe_arguments
+            check_same_arguments(getattr(self, "__name__", "step"), describe_arguments(key))
         root = persistent.usable_cache_dir(self.options)
         if not root:
             # only the final IR is needed to run (a dump or a record keeps them all)

@@ -90,3 +90,43 @@ def test_launcher_timeout(tmp_path):
                     "tests/mp/fail.py", str(tmp_path / "pid")], timeout=60)
     assert rc == 124 and "timeout after 2" in log, log
     assert not _alive(int((tmp_path / "pid").read_text()))
+
+
+def test_processes_with_different_argument_shapes_raise_with_the_numbers():
+    """Two processes calling one step with different per-replica shapes (3 rows a replica
+    against 2, or 0) or different mirrored weights: each would compile its own program,
+    whose collectives do not match (before: process 1 returned its weights unchanged
+    with no error, process 0 failed 30 s later in gloo). Now both raise
+    ``ProcessMismatchError`` naming the leaf and both processes' shapes, before tracing."""
+    rc, log = _run([sys.executable, "-m", "tools.launch", "-n", "2", "--devices-per-process", "4",
+                    "--timeout", "100", "tests/mp/mismatch.py", "all"], timeout=120)
+    assert rc == 0, log[-4000:]
+    assert "NO ERROR" not in log, log[-4000:]
+    for me, other in ((0, 1), (1, 0)):
+        for mode, leaf, shapes in (("rows", 1, {0: "per-replica float32[3, 4]",
+                                                1: "per-replica float32[2, 4]"}),
+                                   ("empty", 1, {0: "per-replica float32[3, 4]",
+                                                 1: "per-replica float32[0, 4]"}),
+                                   ("mirrored", 0, {0: "float32[4, 1]", 1: "float32[5, 1]"})):
+            want = (f"[p{me}] {mode}: ProcessMismatchError: replicate(step): the processes call "
+                    f"the step with different arguments")
+            line = next((ln for ln in log.splitlines() if ln.startswith(want)), None)
+            assert line is not None, (want, log[-4000:])
+            assert (f"argument leaf {leaf} is {shapes[me]} on process {me} and {shapes[other]} "
+                    f"on process {other}") in line, line
+
+
+def test_a_process_compiling_alone_raises_after_the_timeout():
+    """The first call agrees; in the second, process 0's shapes are new (a compile) and
+    process 1's are the first call's (a cache hit, no compile): process 0 waits for
+    process 1's arguments ``RT_ARGUMENTS_TIMEOUT_S`` seconds, then raises naming its own,
+    and the launcher ends process 1 (waiting in gloo for process 0's collectives)."""
+    rc, log = _run([sys.executable, "-m", "tools.launch", "-n", "2", "--devices-per-process", "4",
+                    "--timeout", "100", "tests/mp/mismatch.py", "later"],
+                   {"RT_ARGUMENTS_TIMEOUT_S": "3"}, timeout=120)
+    assert rc == 4, log[-4000:]
+    assert "[p0] first call agrees: [0.19999998807907104" in log, log[-4000:]
+    assert ("[p0] later: ProcessMismatchError: replicate(step): process 0 compiles the step for "
+            "the 2nd time and process 1 did not within 3 s (RT_ARGUMENTS_TIMEOUT_S)") in log, \
+        log[-4000:]
+    assert "argument leaf 1: per-replica float32[2, 4]" in log, log[-4000:]
