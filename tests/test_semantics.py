@@ -659,6 +659,22 @@ _CHAINS = {  # name: what the step does with a float32 weight cast to a narrow t
         0, 2, lambda i, c: c + v[0, :4], jnp.zeros((4,), v.dtype)),
     "scan_carry_scaled": lambda v, x: x[:, :4] * lax.scan(
         lambda c, _: (c * c.dtype.type(2), None), v[0, :4], None, length=2)[0],
+    # indexed at indices identical on every replica (a positional embedding; ``v[i]`` in
+    # a loop), under a cond on a mirrored flag, windowed, convolved with a mirrored kernel
+    # (their transposes: a scatter-add into zeros, a cond, a pad, a convolution)
+    "gathered_rows": lambda v, x: x @ v[jnp.arange(3)].T,
+    "taken_columns": lambda v, x: x @ jnp.take(v, jnp.asarray([1, 3, 4, 5]), axis=1),
+    "indexed_in_fori_loop": lambda v, x: x[:, :4] * lax.fori_loop(
+        0, 3, lambda i, c: c + v[i, :4], jnp.zeros((4,), v.dtype)),
+    "taken_in_scan": lambda v, x: x[:, :4] * lax.scan(  # (jnp.take: a jit, a scatter-add)
+        lambda c, i: (c + jnp.take(v[:, :4], i, axis=0), None), jnp.zeros((4,), v.dtype),
+        jnp.arange(3))[0],
+    "cond_on_a_mirrored_flag": lambda v, x: x @ lax.cond(
+        v[0, 0] > 0, lambda u: u * u.dtype.type(2), lambda u: u, v),
+    "reduce_window": lambda v, x: x[:, :5] @ lax.reduce_window(
+        v, v.dtype.type(0), lax.add, (2, 1), (1, 1), "VALID"),
+    "convolved": lambda v, x: x[:, :5] @ jax.scipy.signal.convolve(
+        v, jnp.ones((2, 1), v.dtype), mode="valid"),
 }
 
 
@@ -669,7 +685,9 @@ def test_low_precision_sums_follow_linear_ops_to_the_cast(name, low):
     twice, centred, reduced, round-tripped through float8 or concatenated, inside a
     ``jax.checkpoint``/``jax.jit`` layer or outside, or scanned over (a scan over the
     stacked layers, one closing over the weight, a ``fori_loop``: the backward scan runs
-    on each replica's cotangent, and the sum follows it): every replica rounds its own
+    on each replica's cotangent, and the sum follows it), gathered at mirrored indices
+    (a positional embedding), indexed in a loop, under a ``cond`` on a mirrored flag,
+    windowed or convolved with a mirrored kernel: every replica rounds its own
     cotangent and the float32 gradients are summed (pmap's numbers, exactly: bf16
     cotangents 256 and 1 summed to 257, eight float16 cotangents of 10000 to 80000). The
     sum is deferred through the ops linear in it to where pmap code sums (found by a

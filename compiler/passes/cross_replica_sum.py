@@ -140,7 +140,7 @@ def _uses(graph: Graph, cache: list) -> list:
 #: ops of one operand that a division by N commutes with (``_half_means``)
 _LINEAR_UNARY = frozenset({"convert_element_type", "reduce_sum", "reshape", "transpose",
                            "squeeze", "expand_dims", "broadcast_in_dim", "neg", "copy",
-                           "copy_p", "slice", "rev", "cumsum"})
+                           "copy_p", "slice", "rev", "cumsum", "reduce_window_sum"})
 #: ops linear in their first operand when every other one is a zero constant (a pad's
 #: fill, the transpose of a slice: x/N padded with zeros is (x padded)/N)
 _LINEAR_ZERO_REST = frozenset({"pad"})
@@ -305,8 +305,11 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
         return mine == [1] and zero(ops_[0]) and all(mirrored(v) for v in ops_[2:])
     if name in ("dynamic_slice", "gather"):
         return mine == [0] and all(mirrored(v) for v in rest)
-    if name in ("mul", "dot_general"):
+    if name in ("mul", "dot_general", "conv_general_dilated"):
         return len(mine) == 1 and all(mirrored(v) for v in rest)
+    if name == "scatter-add":  # (adds updates into an operand; zeros as they are)
+        return 1 not in mine and mirrored(ops_[1]) and all(zero(ops_[i]) for i in (0, 2)
+                                                           if i not in mine)
     if name == "div":
         return mine == [0] and mirrored(ops_[1])
     if name == "select_n":  # (the predicate picks; the other cases zeros)
@@ -467,7 +470,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
     needed: set[Value] = set()    # deferred values something else reads
 
     calls: dict[int, tuple[Graph, dict[int, Op]]] = {}  # planned call id -> region, sums
-    scans: set[int] = set()  # (the planned calls that are scans: ``calls`` holds the op)
+    lifted: set[int] = set()  # (planned scans and conds: ``calls`` holds the new op)
 
     def mirrored(v: Value) -> bool:  # (a deferred value summed before: as it is)
         return (v not in group or v in needed) and v.type.replica is Replica.MIRRORED
@@ -498,9 +501,9 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
                 memo[key] = (body, *_defer_sums(body, inner, memo, returns=True,
                                                 inputs={i: src for i in mine}))
             through = memo[key][1:]
-        loop = None  # (a scan: the op with its body taking addends, the addend results)
-        if len({kind[g] for g in roots}) == 1 and op.name == "scan":
-            loop = _scan_of_addends(op, mine, producers())
+        loop = None  # (a scan, a cond: the op with its regions taking addends, the addend results)
+        if len({kind[g] for g in roots}) == 1 and op.name in ("scan", "cond"):
+            loop = _lifted_for_addends(op, mine, producers())
             if loop is not None:
                 through = (loop[0], dict.fromkeys(loop[1]))
         if len({kind[g] for g in roots}) != 1 or (
@@ -518,7 +521,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
         if through is not None:
             calls[id(op)] = through
             if loop is not None:
-                scans.add(id(op))
+                lifted.add(id(op))
             for j in through[1]:
                 group[op.results[j]] = g
             continue
@@ -564,7 +567,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
                 body, sums = calls[id(op)]
                 results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in sums else r
                                 for j, r in enumerate(op.results))
-                if id(op) in scans:  # (``body`` is the scan with its body lifted)
+                if id(op) in lifted:  # (``body`` is the scan or cond, its regions lifted)
                     retype = True
                     ops.append(body.with_values(operands, results, body.regions))
                 else:
@@ -572,7 +575,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
                 addend.update((op.results[j], results[j]) for j in sums)
                 continue
             results = tuple(Value(r.type.with_replica(Replica.VARYING)) for r in op.results)
-            ops.append(Op(op.name, operands, results, op.attrs, op.loc, (), op.impl))
+            ops.append(Op(op.name, operands, results, op.attrs, op.loc, op.regions, op.impl))
             addend.update(zip(op.results, results))
             continue
         if op.name == "all_reduce" and mine is None and moves(op.results[0]):
@@ -588,48 +591,55 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
     hoisted = {j: source[g] for j, g in returned.items() if g in moving}
     new_outputs = tuple(addend[v] if j in hoisted else v for j, v in enumerate(outputs))
     new = Graph(tuple(new_inputs), tuple(ops), new_outputs, graph.name)
-    if retype:  # (a scan's carry that starts at a mirrored zero now holds an addend)
+    if retype:  # (a scan's carry that starts at a mirrored zero now holds an addend, a
+        # cond's branch returns one where another returns a mirrored zero)
         from compiler.passes.replication import annotate
         new = annotate(new, [v.type.replica or Replica.VARYING for v in new.inputs])[0]
     return new, hoisted
 
 
-def _scan_of_addends(op: Op, mine: list[int], producers: dict[Value, Op]
-                     ) -> tuple[Op, set[int]] | None:
-    """The scan ``op`` run on the replicas' addends of its operands at ``mine`` (deferred
-    sums), when it is linear in them (each step's ops, as ``hoist-collectives`` checks
-    them: a carry that takes an addend starts as one or at zero): the op with its body
-    rewritten and the positions of its results that are then addends; ``None`` when it
-    is not linear in them, or its body holds a collective (it stays summed before).
-    The backward scan over a stacked weight cast to bfloat16 (a scan over layers), or
-    over a cast weight it closes over, then sums after the cast back, as pmap code does."""
+def _lifted_for_addends(op: Op, mine: list[int], producers: dict[Value, Op]
+                        ) -> tuple[Op, set[int]] | None:
+    """The ``scan`` or ``cond`` ``op`` run on the replicas' addends of its operands at
+    ``mine`` (deferred sums), when it is linear in them (its region's ops, as
+    ``hoist-collectives`` checks them; a scan's carry that takes an addend starts as one
+    or at zero; a cond's branches return an addend or zero at each such result, its index
+    identical on every replica): the op with its regions rewritten and the positions of
+    its results that are then addends; ``None`` when it is not linear in them, or a region
+    holds a collective (the sum then stays before it). The backward scan over a stacked
+    weight cast to bfloat16 (a scan over layers), or over a cast weight it closes over or
+    indexes (``v[i]`` in a ``fori_loop``), and a ``lax.cond`` on a mirrored flag, then sum
+    after the cast back, as pmap code does."""
     from compiler.passes.hoist_collectives import _has_collective, _Lifter, _Refused
-    if _has_collective(op):
+    if op.name not in ("scan", "cond") or _has_collective(op):
         return None
-    n_consts, n_carry = op.attr("num_consts"), op.attr("num_carry")
-    if n_consts is None or n_carry is None:
-        return None
-    body = op.regions[op.attr("jaxpr").index]
-    # a carry the addends reach (the cotangent of a weight the scan closes over, summed
-    # over the steps) takes addends too: it must start at zero (every replica's addend)
-    reached = set(mine)
-    while True:
-        seen = {v for i, v in enumerate(body.inputs) if i in reached}
-        for o in body.ops:
-            if any(v in seen for v in o.operands):
-                seen.update(o.results)
-        more = {n_consts + k for k in range(n_carry) if body.outputs[k] in seen} - reached
-        if not more:
-            break
-        reached |= more
-    reads = [i in mine or (i in reached and is_zero(v, producers))
-             for i, v in enumerate(op.operands)]
     try:
+        if op.name == "cond":
+            if 0 in mine or op.operands[0].type.replica is not Replica.MIRRORED:
+                return None
+            return _Lifter(1).cond(op, {i - 1 for i in mine})
+        n_consts, n_carry = op.attr("num_consts"), op.attr("num_carry")
+        if n_consts is None or n_carry is None:
+            return None
+        body = op.regions[op.attr("jaxpr").index]
+        # a carry the addends reach (the cotangent of a weight the scan closes over,
+        # summed over the steps) takes addends too: it must start at zero (every
+        # replica's addend of zero)
+        reached = set(mine)
+        while True:
+            seen = {v for i, v in enumerate(body.inputs) if i in reached}
+            for o in body.ops:
+                if any(v in seen for v in o.operands):
+                    seen.update(o.results)
+            more = {n_consts + k for k in range(n_carry) if body.outputs[k] in seen} - reached
+            if not more:
+                break
+            reached |= more
+        reads = [i in mine or (i in reached and is_zero(v, producers))
+                 for i, v in enumerate(op.operands)]
         return _Lifter(1)._scan(op, reads, producers)
     except _Refused:
         return None
-
-
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import functools
 from dataclasses import dataclass, field
 
 from compiler.errors import DivergentCollectiveError
-from compiler.passes.cross_replica_sum import is_zero, transposed
+from compiler.passes.cross_replica_sum import _linear_in, is_zero, transposed
 from compiler.passes.replication import annotate
 from ir.graph import Graph, Op, RegionMemo, Rewriter, Value
 from ir.ops import COLLECTIVES  # (ops that talk to other replicas over the replica axis)
@@ -63,6 +63,8 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
 #: rematerialization (``jax.checkpoint``): a region of one graph, its inputs the operands,
 #: kept as an op (inlining it would let XLA merge the recomputation away)
 _REMAT = frozenset({"remat2", "checkpoint", "remat"})
+#: ops whose region only combines scalars (a scatter's update): checked as ops, not lifted
+_COMBINED = frozenset({"scatter-add", "scatter_add"})
 
 
 def is_collective(op: Op) -> bool:
@@ -232,7 +234,7 @@ class _Lifter:
             reads = [v in partial for v in ins]
             if is_collective(op):
                 self._strip(op, ins, reads, rw, partial)
-            elif op.regions and (any(reads) or _has_collective(op)):
+            elif op.regions and (_has_collective(op) or (any(reads) and op.name not in _COMBINED)):
                 self._nested(op, ins, reads, rw, partial, producers)
             elif not any(reads):
                 rw.emit(op)
@@ -281,6 +283,10 @@ class _Lifter:
                 (op.name != "pad" or is_zero(op.operands[1], producers))
         else:
             ok = op.name in LINEAR and all(not _varying(v) for v in others)
+        if not ok:  # (the deferral's rules too: a scatter-add or an update of zeros, the
+            # transpose of indexing ``v[i]``; a convolution with a mirrored kernel)
+            ok = _linear_in(op, [i for i, r in enumerate(reads) if r],
+                            lambda v: not _varying(v), lambda v: is_zero(v, producers))
         if not ok:
             raise _Refused(f"{op.name}{_where(op)} uses the result of a collective in a way "
                            f"that is not linear")
