@@ -13,9 +13,9 @@ Contract, after ``replication`` (which sets every value's variance):
 
 - **Hoisted, exactly.** In a ``cond`` made by transposition (a backward pass) with a
   per-replica index, an ``all_reduce`` sum or mean whose result reaches the branch outputs
-  only through linear ops (``LINEAR``, with every other operand mirrored and not derived
-  from a collective) is taken out: the branch returns the replica's own addend and one
-  ``all_reduce`` sum after the ``cond`` adds them up. By linearity Σ_r (taken_r ? a_r : 0)
+  only through linear ops (``_Lifter._check_linear``, with every other operand mirrored
+  and not derived from a collective) is taken out: the branch returns the replica's own
+  addend and one ``all_reduce`` sum after the ``cond`` adds them up. By linearity Σ_r (taken_r ? a_r : 0)
   is the gradient of the global loss: replicas that skip the branch contribute zero, which
   is what the other branch returns there (a zero constant, or the same hoisted form).
 - **Hoisted from backward loops, exactly.** In a ``scan`` made by transposition (the
@@ -51,14 +51,10 @@ from ir.jaxpr_import import REPLICA_AXIS
 from ir.types import Replica
 
 
-#: ops linear in every operand that ``_linear_use`` allows to carry a collective's result
-#: (with ``mul``/``div``/``dot_general``: linear in one operand, the other mirrored)
-LINEAR = frozenset({"add_any", "add", "sub", "neg", "reshape", "transpose", "squeeze",
-                    "expand_dims", "broadcast_in_dim", "reduce_sum", "convert_element_type",
-                    "slice", "copy", "copy_p", "rev", "cumsum", "loss_scale", "concatenate",
-                    "pad", "select_n", "dynamic_slice", "gather", "real", "imag", "conj",
-                    "unstack", "split", "reduce_precision", "shard"})
-_ONE_SIDED = frozenset({"mul", "dot_general", "div"})
+#: ops linear in their one operand that the lifting takes beyond the deferral's rules
+#: (``cross_replica_sum._linear_in``): the loss-scale marker, a sharding annotation, the
+#: parts of a complex value, any cast (a cotangent's dtype is the primal's)
+_UNARY_HERE = frozenset({"loss_scale", "shard", "real", "imag", "conj", "convert_element_type"})
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
 #: rematerialization (``jax.checkpoint``): a region of one graph, its inputs the operands,
 #: kept as an op (inlining it would let XLA merge the recomputation away)
@@ -269,24 +265,17 @@ class _Lifter:
 
     @staticmethod
     def _check_linear(op: Op, reads: list[bool], producers: dict[Value, Op]) -> None:
-        others = [v for v, d in zip(op.operands, reads) if not d]
-        if op.name in _ONE_SIDED:
-            ok = (sum(reads) == 1 and not _varying(others[0])
-                  and (op.name != "div" or reads[0]))
-        elif op.name in ("add_any", "add", "sub", "concatenate"):
-            ok = all(is_zero(v, producers) for v in others)
-        elif op.name == "select_n":
-            ok = not reads[0] and not _varying(op.operands[0]) and \
-                all(is_zero(v, producers) for v in others[1:])
-        elif op.name in ("pad", "dynamic_slice", "gather"):
-            ok = reads[0] and all(not _varying(v) for v in others) and \
-                (op.name != "pad" or is_zero(op.operands[1], producers))
+        """Raise ``_Refused`` unless ``op`` is linear in its operands that are partials
+        (``reads``), with coefficients identical on every replica: the deferral's rules
+        (``cross_replica_sum._linear_in``), plus a sum with zeros and the markers and
+        element-wise maps it does not move sums through (``_UNARY_HERE``)."""
+        mine = [i for i, r in enumerate(reads) if r]
+        if op.name in ("add_any", "add", "sub"):
+            ok = all(is_zero(v, producers) for i, v in enumerate(op.operands) if i not in mine)
+        elif op.name in _UNARY_HERE:
+            ok = len(op.operands) == 1
         else:
-            ok = op.name in LINEAR and all(not _varying(v) for v in others)
-        if not ok:  # (the deferral's rules too: a scatter-add or an update of zeros, the
-            # transpose of indexing ``v[i]``; a convolution with a mirrored kernel)
-            ok = _linear_in(op, [i for i, r in enumerate(reads) if r],
-                            lambda v: not _varying(v), lambda v: is_zero(v, producers))
+            ok = _linear_in(op, mine, lambda v: not _varying(v), lambda v: is_zero(v, producers))
         if not ok:
             raise _Refused(f"{op.name}{_where(op)} uses the result of a collective in a way "
                            f"that is not linear")
