@@ -40,6 +40,8 @@ CASES = [
     ("dce", "dce", "dce", {}),
     ("crs_mean", "crs", "cross-replica-sum", {"loss_reduction": "mean", "num_replicas": 4}),
     ("crs_sum", "crs", "cross-replica-sum", {"loss_reduction": "sum", "num_replicas": 4}),
+    # a bfloat16 gradient sum deferred through a backward scan to the cast back
+    ("crs_defer", "crs_defer", "cross-replica-sum", {"loss_reduction": "sum", "num_replicas": 4}),
     # golden_models.stochastic_depth_step after replication: the gradient all-reduce of
     # ``u`` leaves the transposed per-replica branch (the branch returns its addend)
     ("hoist_cond", "hoist_cond", "hoist-collectives", {"num_replicas": 4}),

@@ -295,8 +295,8 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
     rest = [v for i, v in enumerate(ops_) if i not in mine]
     if name in _LINEAR_UNARY_SINK or _float_cast(op):
         return len(ops_) == 1
-    if name in _SUMS or name == "sub":
-        return not rest
+    if name in _SUMS or name == "sub":  # (zeros: as they are)
+        return all(zero(v) for v in rest)
     if name == "concatenate":  # (pieces of zeros: as they are)
         return all(zero(v) for v in rest)
     if name == "pad":

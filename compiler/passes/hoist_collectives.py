@@ -267,15 +267,13 @@ class _Lifter:
     def _check_linear(op: Op, reads: list[bool], producers: dict[Value, Op]) -> None:
         """Raise ``_Refused`` unless ``op`` is linear in its operands that are partials
         (``reads``), with coefficients identical on every replica: the deferral's rules
-        (``cross_replica_sum._linear_in``), plus a sum with zeros and the markers and
-        element-wise maps it does not move sums through (``_UNARY_HERE``)."""
-        mine = [i for i, r in enumerate(reads) if r]
-        if op.name in ("add_any", "add", "sub"):
-            ok = all(is_zero(v, producers) for i, v in enumerate(op.operands) if i not in mine)
-        elif op.name in _UNARY_HERE:
+        (``cross_replica_sum._linear_in``), plus the markers and element-wise maps it
+        does not move sums through (``_UNARY_HERE``)."""
+        if op.name in _UNARY_HERE:
             ok = len(op.operands) == 1
         else:
-            ok = _linear_in(op, mine, lambda v: not _varying(v), lambda v: is_zero(v, producers))
+            ok = _linear_in(op, [i for i, r in enumerate(reads) if r], lambda v: not _varying(v),
+                            lambda v: is_zero(v, producers))
         if not ok:
             raise _Refused(f"{op.name}{_where(op)} uses the result of a collective in a way "
                            f"that is not linear")
