@@ -1537,3 +1537,32 @@ def test_position_gradient_over_a_cut_sequence_axis_equals_jit(monkeypatch):
     for k in p:
         np.testing.assert_allclose(g[k], np.mean([r[k] for r in ref], 0), rtol=1e-5,
                                    atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("low, reduction", [("bfloat16", "sum"), ("float16", "mean")])
+def test_low_precision_positional_table_over_a_dynamic_sequence(low, reduction):
+    """A float32 positional table cast to bfloat16/float16 and gathered at ``arange(t)``
+    for a dynamic sequence length ``t`` (2 and 3 on the two replicas): the replicas'
+    narrow cotangents are each cast back, then summed in float32, as ``jax.jit`` of the
+    sum of the replicas' losses gives them (found by a probe: the gradient sum of a
+    dynamic shape was left in the narrow type, bf16 256 where the sum is 257, float16
+    "mean" inf where it is 20000)."""
+    dtype = jnp.dtype(low)
+
+    def loss(pos, f):  # f: [b, t, 1]
+        h = pos.astype(dtype)[jnp.arange(f.shape[1])][None] * f.astype(dtype)
+        return jnp.mean(jnp.sum(h.astype(jnp.float32), axis=(1, 2)))
+    pos = jnp.zeros((4, 1), jnp.float32)
+    if low == "bfloat16":
+        fs = [np.full((1, 3, 1), 256.0, np.float32), np.full((1, 2, 1), 1.0, np.float32)]
+    else:
+        fs = [np.full((1, 3, 1), 20000.0, np.float32) for _ in range(4)]
+        fs[1] = fs[1][:, :2]
+    n = len(fs)
+    want = sum(jax.jit(jax.grad(loss))(pos, jnp.asarray(f)) for f in fs)
+    want = want / n if reduction == "mean" else want
+    opts = rt.RunOptions(dynamic_shapes=True, dynamic_dims={1: {0: "b", 1: "t"}})
+    got = rt.replicate(jax.grad(loss), num_replicas=n, loss_reduction=reduction,
+                       options=opts)(pos, rt.PerReplica(fs))
+    assert np.all(np.isfinite(np.asarray(want)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -188,11 +188,12 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
     return out
 
 
-def _gradient_sum(op: Op, enclosing: bool) -> bool:
-    """An all-reduce sum of one value of static shape, made by transposition."""
+def _gradient_sum(op: Op, enclosing: bool, static: bool = True) -> bool:
+    """An all-reduce sum of one value (of static shape, with ``static``), made by
+    transposition."""
     return (op.name == "all_reduce" and op.attr("reduce") == "sum" and len(op.operands) == 1
             and transposed(op, enclosing)
-            and all(isinstance(d, int) for d in op.operands[0].type.shape))
+            and (not static or all(isinstance(d, int) for d in op.operands[0].type.shape)))
 
 
 def _mean_candidate(op: Op, enclosing: bool) -> bool:
@@ -265,7 +266,8 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
 _SUMS = frozenset({"add_any", "add"})
 #: ops a deferred sum passes as it is (``_LINEAR_UNARY`` less the cast, which only
 #: between float types: ``_float_cast``; the splits; a rounding, done per replica as pmap does)
-_LINEAR_UNARY_SINK = (_LINEAR_UNARY - {"convert_element_type"}) | _SPLITS | {"reduce_precision"}
+_LINEAR_UNARY_SINK = (_LINEAR_UNARY - {"convert_element_type"}) | _SPLITS | {
+    "reduce_precision", "shard", "sharding_constraint"}  # (and the layout annotations)
 
 
 def _float_dtype(name: str) -> Any:
@@ -274,9 +276,10 @@ def _float_dtype(name: str) -> Any:
 
 
 def _sinkable_reduce(op: Op, enclosing: bool) -> bool:
-    """A gradient all-reduce sum of one static float value (bfloat16 and float8 too), over
-    the replicas only (``_sink_sums``)."""
-    return (_gradient_sum(op, enclosing) and not op.attr("axis_index_groups")
+    """A gradient all-reduce sum of one float value (bfloat16 and float8 too; its shape
+    may hold dynamic dims: the padding pass masks what the deferred ops read), over the
+    replicas only (``_sink_sums``)."""
+    return (_gradient_sum(op, enclosing, static=False) and not op.attr("axis_index_groups")
             and _float_dtype(op.operands[0].type.dtype) is not None)
 
 
@@ -297,6 +300,8 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
         return len(ops_) == 1
     if name in _SUMS or name == "sub":  # (zeros: as they are)
         return all(zero(v) for v in rest)
+    if name == "optimization_barrier":  # (each result its operand, as it is)
+        return not rest
     if name == "concatenate":  # (pieces of zeros: as they are)
         return all(zero(v) for v in rest)
     if name == "pad":
