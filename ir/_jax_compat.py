@@ -1152,7 +1152,8 @@ def _install_varying_promotion() -> None:
             out = _selected((false_fun, true_fun), index, operands)
             if out is not None:
                 return out
-        return _to_fixed_point(lambda axes: cast_all((true_fun, false_fun), axes),
+        fns, operands = _varying_by_index(pred, (true_fun, false_fun), operands)
+        return _to_fixed_point(lambda axes: cast_all(fns, axes),
                                lambda fns, _: orig["cond"](pred, *fns, *operands, **kwargs))
 
     def switch(index, branches, *operands, **kwargs):
@@ -1161,7 +1162,8 @@ def _install_varying_promotion() -> None:
                                                           len(branches) - 1), operands)
             if out is not None:
                 return out
-        return _to_fixed_point(lambda axes: cast_all(list(branches), axes),
+        fns, operands = _varying_by_index(index, list(branches), operands)
+        return _to_fixed_point(lambda axes: cast_all(fns, axes),
                                lambda fns, _: orig["switch"](index, fns, *operands, **kwargs))
 
     # a loop's carry takes the union of what varies in and out: the initial carry is cast
@@ -1192,6 +1194,34 @@ def _install_varying_promotion() -> None:
         for module in (jax.lax, control_flow, conditionals, loops):
             if getattr(module, name, None) is original:
                 setattr(module, name, wrapper)
+
+
+def _varying_by_index(index: Any, branches: Sequence[Any], operands: tuple
+                      ) -> tuple[list, tuple]:
+    """A ``cond``/``switch`` whose index varies over manual axes (each replica picks its
+    own branch): every branch's results cast to vary over them too. JAX types the
+    results by the branches' alone (jax-ml/jax#40823, open in 0.10 and 0.11):
+    ``cond(p_r, id, neg, w)`` of a mirrored ``w`` came out mirrored, so the cast to
+    varying JAX then put after it summed the replicas' cotangents *before* each
+    transposed its own branch (gradient Σ_r b_r(Σ_s ct_s) instead of Σ_r b_r(ct_r)).
+    Cast inside the branches, the sum is in each transposed branch, on its own
+    cotangent, and ``hoist-collectives`` takes it out after the cond. (The operands stay
+    as they are: a mirrored weight is mirrored inside the branch, so ``jax.grad`` of it
+    there is still refused, its sum being a collective only some replicas would run.)"""
+    try:
+        axes = varying_axes(jax.typeof(index))
+    except TypeError:  # (not an array: a Python value, the same everywhere)
+        return list(branches), operands
+    if not axes:
+        return list(branches), operands
+    cast = lambda tree: jax.tree.map(lambda x: to_varying(x, axes), tree)  # noqa: E731
+
+    def outputs_cast(fn: Any) -> Any:
+        @functools.wraps(fn)  # (JAX's messages name the user's function)
+        def branch(*args: Any, **kwargs: Any) -> Any:
+            return cast(fn(*args, **kwargs))
+        return branch
+    return [outputs_cast(f) for f in branches], operands
 
 
 def _vmapped(index: Any) -> bool:

@@ -864,3 +864,41 @@ def test_vjp_of_a_mirrored_function_seeded_per_replica(how, reduction):
     red = lax.pmean if reduction == "mean" else lax.psum
     want = jax.pmap(lambda w, x: red(pull(w, x), "i"), "i", in_axes=(None, 0))(w, x)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+_PER_REPLICA_CONDS = {  # name: f(w, x) with a branch chosen per replica on the data
+    "cond_id_or_neg": lambda w, x: lax.cond(x[0, 0] > 0, lambda v: v, lambda v: -v, w) * x,
+    "cond_2v_or_3v": lambda w, x: lax.cond(x[0, 0] > 0, lambda v: 2 * v, lambda v: 3 * v, w) * x,
+    "switch_zero_or_w": lambda w, x: x @ jnp.diag(lax.switch(
+        (x[0, 0] > 0).astype(jnp.int32), [lambda: w * 0, lambda: w])),
+    "cond_closes_over_w": lambda w, x: lax.cond(x[0, 0] > 0, lambda: w, lambda: -w) * x,
+    "stochastic_depth": lambda w, x: x + lax.cond(x[0, 0] > 0, lambda h: h * w,
+                                                  jnp.zeros_like, x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PER_REPLICA_CONDS))
+def test_a_branch_chosen_per_replica_on_mirrored_weights(name):
+    """A ``lax.cond``/``switch`` whose predicate differs between replicas, applied to a
+    mirrored weight: each replica transposes its own branch, then the gradients are
+    summed (pmap's numbers, and the sum of each replica's ``jax.grad``). Before, JAX
+    typed the cond's result mirrored (jax-ml/jax#40823), so the replicas' cotangents
+    were summed before the branches: a per-replica gradient [2, -2] where the sum is 4
+    (found by a fuzzer). The forward results differ per replica and come back so."""
+    f, n = _PER_REPLICA_CONDS[name], 2
+    w = jnp.asarray([1.0, 2.0, 0.5], jnp.float32)
+    x = np.asarray([[3.0, 3, 3], [-1, -1, -1]], np.float32)  # replica 0 true, 1 false
+
+    def loss(w, x):
+        return jnp.sum(f(w, x))
+    got = rt.replicate(jax.grad(loss), num_replicas=n, loss_reduction="sum")(
+        w, rt.distribute(x, n))
+    want = jax.pmap(lambda x: lax.psum(jax.grad(loss)(w, x), "i"), axis_name="i",
+                    devices=jax.devices()[:n])(x[:, None])[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(want), sum(jax.grad(loss)(w, x[r:r + 1])
+                                                     for r in range(n)), rtol=1e-6)
+    out = rt.replicate(f, num_replicas=n)(w, rt.distribute(x, n))
+    assert isinstance(out, rt.PerReplica)
+    for r in range(n):
+        np.testing.assert_allclose(np.asarray(out.values[r]), f(w, x[r:r + 1]), rtol=1e-6)

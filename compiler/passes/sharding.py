@@ -952,7 +952,10 @@ def _check_branch_annotations(op: Op, k: int) -> None:
     for j in range(len(op.results)):
         seen: dict = {}
         for b, g in enumerate(op.regions):
-            producer = g.producers().get(g.outputs[j]) if j < len(g.outputs) else None
+            producers = g.producers()
+            producer = producers.get(g.outputs[j]) if j < len(g.outputs) else None
+            while producer is not None and producer.name == "cast_varying":
+                producer = producers.get(producer.operands[0])  # (a cast: the value as is)
             if producer is not None and producer.name == "shard":
                 seen.setdefault(canonical(producer.attr("sharding"), g.outputs[j].type.rank, k),
                                 (b, producer))
