@@ -675,6 +675,21 @@ _CHAINS = {  # name: what the step does with a float32 weight cast to a narrow t
         v, v.dtype.type(0), lax.add, (2, 1), (1, 1), "VALID"),
     "convolved": lambda v, x: x[:, :5] @ jax.scipy.signal.convolve(
         v, jnp.ones((2, 1), v.dtype), mode="valid"),
+    # written into (a row zeroed or scaled, a slice overwritten: the transposes write
+    # zeros into the cotangent or scale it), loops in loops, a loop in a cond, a branch
+    # of a cond on a mirrored flag reading the replica's data (its sum in the branch)
+    "row_zeroed": lambda v, x: x @ v.at[5].set(0)[:, :4],
+    "row_scaled": lambda v, x: x @ v.at[1].multiply(2)[:, :4],
+    "slice_overwritten": lambda v, x: x @ lax.dynamic_update_slice(
+        v, jnp.zeros((6, 1), v.dtype), (0, 5))[:, :4],
+    "scan_in_scan": lambda v, x: x[:, :4] * lax.scan(lambda c, w: (c + lax.scan(
+        lambda d, _: (d + w, None), jnp.zeros_like(w), None, length=2)[0], None),
+        jnp.zeros((4,), v.dtype), v[:, :4])[0],
+    "scan_in_cond": lambda v, x: x[:, :4] * lax.cond(
+        v[0, 0] > 0, lambda u: lax.scan(lambda c, w: (c + w, None), jnp.zeros((4,), u.dtype),
+                                        u[:, :4])[0], lambda u: u[0, :4], v),
+    "cond_branch_reads_the_data": lambda v, x: lax.cond(
+        v[0, 0] > 0, lambda u: x @ u[:, :4], lambda u: u[:1, :4], v),
     # behind an optimization barrier (layout annotations: the test after this one)
     "optimization_barrier": lambda v, x: x @ lax.optimization_barrier(v)[:, :4],
 }

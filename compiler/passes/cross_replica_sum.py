@@ -306,15 +306,20 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
         return all(zero(v) for v in rest)
     if name == "pad":
         return mine == [0] and zero(ops_[1])
-    if name == "dynamic_update_slice":  # (onto zeros: the transpose of a dynamic slice)
-        return mine == [1] and zero(ops_[0]) and all(mirrored(v) for v in ops_[2:])
+    if name == "dynamic_update_slice":  # (onto zeros, or zeros onto it: the transposes of
+        # a dynamic slice and of an update; zeros as they are)
+        return set(mine) <= {0, 1} and all(zero(ops_[i]) for i in (0, 1) if i not in mine) \
+            and all(mirrored(v) for v in ops_[2:])
     if name in ("dynamic_slice", "gather"):
         return mine == [0] and all(mirrored(v) for v in rest)
     if name in ("mul", "dot_general", "conv_general_dilated"):
         return len(mine) == 1 and all(mirrored(v) for v in rest)
-    if name == "scatter-add":  # (adds updates into an operand; zeros as they are)
+    if name in ("scatter-add", "scatter"):  # (adds or writes updates into an operand, at
+        # indices identical on every replica; zeros as they are: ``.at[i].set(0)``)
         return 1 not in mine and mirrored(ops_[1]) and all(zero(ops_[i]) for i in (0, 2)
                                                            if i not in mine)
+    if name == "scatter-mul":  # (the operand's rows scaled by mirrored factors)
+        return mine == [0] and all(mirrored(v) for v in rest)
     if name == "div":
         return mine == [0] and mirrored(ops_[1])
     if name == "select_n":  # (the predicate picks; the other cases zeros)
@@ -336,11 +341,17 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
     replica's own addend, so the sum can then follow it below the cast. (No value is
     renamed: the call's hoisted results are new values, and the sums after it define the
     old ones, so every other op stays as it is.)"""
-    if not any(op.name in _CALLS for op in graph.ops):
+    if not any(op.name in _CALLS or op.name == "cond" for op in graph.ops):
         return graph
     ops: list[Op] = []
-    changed = False
+    changed = conds = False
     for op in graph.ops:
+        if op.name == "cond":
+            new = _hoist_from_cond(op, enclosing, memo)
+            changed |= new is not None
+            conds |= new is not None
+            ops.extend([op] if new is None else new)
+            continue
         body = op.regions[0] if op.name in _CALLS and len(op.regions) == 1 else None
         if body is None or len(body.outputs) != len(op.results):
             ops.append(op)
@@ -360,7 +371,45 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
         ops.append(op.with_values(op.operands, results, (new_body,)))
         ops.extend(Op("all_reduce", (results[j],), (op.results[j],), reduce.attrs, op.loc)
                    for j, reduce in sorted(hoisted.items()))
-    return Graph(graph.inputs, tuple(ops), graph.outputs, graph.name) if changed else graph
+    if not changed:
+        return graph
+    new = Graph(graph.inputs, tuple(ops), graph.outputs, graph.name)
+    if conds:  # (a branch that returns a mirrored zero where another returns an addend)
+        from compiler.passes.replication import annotate
+        new = annotate(new, [v.type.replica or Replica.VARYING for v in new.inputs])[0]
+    return new
+
+
+def _hoist_from_cond(op: Op, enclosing: bool, memo: dict) -> list[Op] | None:
+    """A ``cond`` whose index is identical on every replica and whose branches return a
+    narrow gradient sum (as ``_hoist_from_calls`` takes one out of a call), or a zero, at
+    the same results: the cond with each branch returning the replica's addend there,
+    then the sums (``None``: nothing to take out). The backward pass of ``lax.cond(flag,
+    lambda v: v * m, ...)`` on a bfloat16 weight and per-replica data ``m``: before, the
+    sum stayed in the branch, in bfloat16, before the cast back."""
+    if op.operands[0].type.replica is not Replica.MIRRORED or any(
+            len(g.outputs) != len(op.results) for g in op.regions):
+        return None
+    inner = transposed(op, enclosing)
+    sunk = []
+    for g in op.regions:
+        key = (id(g), inner)
+        if key not in memo:
+            memo[key] = (g, *_defer_sums(g, inner, memo, returns=True))
+        sunk.append(memo[key][1:])
+    hoisted: dict[int, Op] = {}
+    for _, h in sunk:
+        for j, reduce in h.items():
+            hoisted.setdefault(j, reduce)
+    if not hoisted or len({r.attrs for r in hoisted.values()}) != 1 or any(
+            any(j not in h and not is_zero(g.outputs[j], g.producers()) for j in hoisted)
+            for g, h in sunk):
+        return None  # (a branch returns something else there, or sums of other kinds)
+    results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in hoisted else r
+                    for j, r in enumerate(op.results))
+    return [op.with_values(op.operands, results, tuple(g for g, _ in sunk)), *(
+        Op("all_reduce", (results[j],), (op.results[j],), reduce.attrs, op.loc)
+        for j, reduce in sorted(hoisted.items()))]
 
 
 #: calls inlined where they read a narrow gradient sum (``_inline_narrow_sum_calls``)
@@ -606,43 +655,24 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
 def _lifted_for_addends(op: Op, mine: list[int], producers: dict[Value, Op]
                         ) -> tuple[Op, set[int]] | None:
     """The ``scan`` or ``cond`` ``op`` run on the replicas' addends of its operands at
-    ``mine`` (deferred sums), when it is linear in them (its region's ops, as
-    ``hoist-collectives`` checks them; a scan's carry that takes an addend starts as one
-    or at zero; a cond's branches return an addend or zero at each such result, its index
-    identical on every replica): the op with its regions rewritten and the positions of
-    its results that are then addends; ``None`` when it is not linear in them, or a region
-    holds a collective (the sum then stays before it). The backward scan over a stacked
-    weight cast to bfloat16 (a scan over layers), or over a cast weight it closes over or
-    indexes (``v[i]`` in a ``fori_loop``), and a ``lax.cond`` on a mirrored flag, then sum
-    after the cast back, as pmap code does."""
-    from compiler.passes.hoist_collectives import _has_collective, _Lifter, _Refused
-    if op.name not in ("scan", "cond") or _has_collective(op):
-        return None
+    ``mine`` (deferred sums), when it is linear in them (its regions' ops, as
+    ``hoist-collectives`` lifts them: a scan's carry that takes an addend starts as one or
+    at zero; a cond's branches return an addend or zero at each such result, its index
+    identical on every replica; a gradient sum inside becomes its addend too): the op
+    with its regions rewritten and the positions of its results that are then addends;
+    ``None`` when it is not linear in them (the sum then stays before it). The backward
+    scan over a stacked weight cast to bfloat16 (a scan over layers), or over a cast
+    weight it closes over or indexes (``v[i]`` in a ``fori_loop``), loops in loops, and a
+    ``lax.cond`` on a mirrored flag, then sum after the cast back, as pmap code does."""
+    from compiler.passes.hoist_collectives import _Lifter, _Refused
     try:
         if op.name == "cond":
             if 0 in mine or op.operands[0].type.replica is not Replica.MIRRORED:
                 return None
             return _Lifter(1).cond(op, {i - 1 for i in mine})
-        n_consts, n_carry = op.attr("num_consts"), op.attr("num_carry")
-        if n_consts is None or n_carry is None:
+        if op.attr("num_consts") is None or op.attr("num_carry") is None:
             return None
-        body = op.regions[op.attr("jaxpr").index]
-        # a carry the addends reach (the cotangent of a weight the scan closes over,
-        # summed over the steps) takes addends too: it must start at zero (every
-        # replica's addend of zero)
-        reached = set(mine)
-        while True:
-            seen = {v for i, v in enumerate(body.inputs) if i in reached}
-            for o in body.ops:
-                if any(v in seen for v in o.operands):
-                    seen.update(o.results)
-            more = {n_consts + k for k in range(n_carry) if body.outputs[k] in seen} - reached
-            if not more:
-                break
-            reached |= more
-        reads = [i in mine or (i in reached and is_zero(v, producers))
-                 for i, v in enumerate(op.operands)]
-        return _Lifter(1)._scan(op, reads, producers)
+        return _Lifter(1)._scan(op, [i in mine for i in range(len(op.operands))], producers)
     except _Refused:
         return None
 

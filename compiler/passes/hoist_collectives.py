@@ -60,7 +60,7 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
 #: kept as an op (inlining it would let XLA merge the recomputation away)
 _REMAT = frozenset({"remat2", "checkpoint", "remat"})
 #: ops whose region only combines scalars (a scatter's update): checked as ops, not lifted
-_COMBINED = frozenset({"scatter-add", "scatter_add"})
+_COMBINED = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"})
 
 
 def is_collective(op: Op) -> bool:
@@ -334,6 +334,21 @@ class _Lifter:
         fixed = {i for i in range(n_consts) if reads[i]}
         xs = {n_consts + n_carry + i for i in range(len(reads) - n_consts - n_carry)
               if reads[n_consts + n_carry + i]}
+        # a carry the partials reach (a cotangent summed over the steps from zero, of a
+        # weight the scan closes over or indexes) takes partials too: it must start at
+        # zero, every replica's addend of zero (a carry the check below would refuse)
+        reached = set(fixed) | {n_consts + i for i in carry} | xs
+        while True:
+            seen = {v for i, v in enumerate(body.inputs) if i in reached}
+            for o in body.ops:
+                if any(v in seen for v in o.operands):
+                    seen.update(o.results)
+            more = {n_consts + k for k in range(n_carry) if body.outputs[k] in seen and
+                    is_zero(op.operands[n_consts + k], producers)} - reached
+            if not more:
+                break
+            reached |= more
+        carry |= {i - n_consts for i in reached if n_consts <= i < n_consts + n_carry}
         while True:
             new_body, outs = self.lift(body, fixed | {n_consts + i for i in carry} | xs)
             grown = {i for i in range(n_carry) if i in outs} - carry
