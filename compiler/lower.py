@@ -137,6 +137,22 @@ def _reduce_extremum(op: Op, args: list[Any]) -> list[Any]:
     return _nan_kept(args, out, lambda nan: lax.reduce_or(nan, axes))
 
 
+@rule("remat2", "checkpoint")
+def _remat(op: Op, args: list[Any]) -> list[Any]:
+    """``jax.checkpoint``'s primitive takes an open jaxpr: a region that holds an array
+    constant (one a pass moved in, inlining a ``jax.jit`` whose constant it was) has none
+    to give it, so such a region is checkpointed again through ``jax.checkpoint``, which
+    passes the constants as operands (same policy and CSE choice; numbers unchanged)."""
+    try:
+        return _bind(op, args)
+    except _CapturedConstants:
+        region = op.regions[0]
+        fn = jax.checkpoint(lambda *xs: eval_graph(region, list(xs)),
+                            prevent_cse=bool(op.attr("prevent_cse", True)),
+                            policy=_param(op.attr("policy"), op))
+        return list(fn(*args))
+
+
 @rule("all_gather")
 def _all_gather(op: Op, args: list[Any]) -> list[Any]:
     if _single_replica() and op.attr("axis_name") in ((REPLICA_AXIS,), REPLICA_AXIS):
@@ -379,9 +395,13 @@ def _trace_region(ref: RegionRef, op: Op, region: Graph) -> Any:
         return closed
     jaxpr, consts = jc.jaxpr_parts(closed)
     if consts:
-        raise LoweringError(f"{op.name}: region ^{ref.index} captured constants but the "
-                            f"primitive takes an open jaxpr ({op.loc})")
+        raise _CapturedConstants(f"{op.name}: region ^{ref.index} captured constants but "
+                                 f"the primitive takes an open jaxpr ({op.loc})")
     return jaxpr
+
+
+class _CapturedConstants(LoweringError):
+    """An open jaxpr's region holds array constants (``_remat`` takes them as operands)."""
 
 
 def _param(v: Any, op: Op) -> Any:

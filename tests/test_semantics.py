@@ -917,3 +917,25 @@ def test_a_branch_chosen_per_replica_on_mirrored_weights(name):
     assert isinstance(out, rt.PerReplica)
     for r in range(n):
         np.testing.assert_allclose(np.asarray(out.values[r]), f(w, x[r:r + 1]), rtol=1e-6)
+
+
+def test_a_checkpointed_jit_with_an_array_constant_over_a_float16_weight():
+    """``jax.checkpoint(jax.jit(f))`` where ``f`` gathers a float16 weight at constant
+    indices and round-trips it through float8: the deferral inlines the ``jax.jit`` into
+    the checkpoint's region (a narrow gradient sum reads it), which then holds the
+    indices as an array constant, which the checkpoint primitive's open jaxpr cannot
+    take (before: ``LoweringError: remat2: region ^0 captured constants``; found by the
+    fuzzer). Numbers as ``jax.jit``'s on the global batch."""
+    n = 2
+    inner = jax.jit(lambda v: jnp.take_along_axis(v, jnp.array([[2, 3, 1]]), axis=0)
+                    .astype(jnp.float8_e5m2).astype(jnp.float16))
+    layer = jax.checkpoint(inner)
+
+    def loss(w, x):
+        return jnp.sum(layer(w[:, 1::2]) * x[0].astype(jnp.float16)).astype(jnp.float32)
+    w = jnp.asarray(np.linspace(0.5, 2, 24).reshape(4, 6), jnp.float16)
+    x = np.asarray([[[1.0, 2.0, 3.0]], [[4.0, 5.0, 6.0]]], np.float32)
+    want = jax.jit(jax.grad(lambda w: sum(loss(w, x[r]) for r in range(n)) / n))(w)
+    got = rt.replicate(jax.grad(loss), num_replicas=n)(w, rt.distribute(x[:, 0], n))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.any(np.asarray(want) != 0)
