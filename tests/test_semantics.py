@@ -466,6 +466,30 @@ def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
                                    rtol=1e-3)
 
 
+def test_float16_mean_below_a_gather_of_summed_pieces():
+    """Float16 weights under "mean" on 4 replicas, scatter-added into rows (at constant
+    indices) then mapped in batches of two (``lax.map(batch_size=2)``) with a per-replica
+    mask: the gradient is two sums (the batches' and the rest's) added, then gathered
+    (the scatter-add's transpose); the mean moves below the gather too (before: the sum
+    of four 20000s in float16, inf, where ``jax.jit`` on the global batch gives 20000;
+    found by the fuzzer)."""
+    n, f16 = 4, jnp.float16
+
+    def chain(v, m):
+        rows = jnp.zeros((3, 6), f16).at[jnp.array([1, 2, 2, 1])].add(v)
+        return lax.map(lambda r: jnp.where(m[0] > 0, r, 0), rows, batch_size=2)
+
+    def loss(w, x):
+        return jnp.sum(chain(w, (x[:1] > 0).astype(f16)) * x.astype(f16)).astype(jnp.float32)
+    w = jnp.ones((4, 6), f16)
+    x = np.full((n, 3, 6), 20000.0, np.float32)
+    want = jax.jit(jax.grad(lambda w: sum(loss(w, x[r]) for r in range(n)) / n))(w)
+    got = rt.replicate(jax.grad(loss), num_replicas=n, loss_reduction="mean")(
+        w, rt.distribute(x.reshape(n * 3, 6), n))
+    assert np.all(np.isfinite(np.asarray(want, np.float32)))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_mean_of_parts_is_a_float16_mean_that_does_not_overflow():
     """``compiler.lower._mean_of_parts``: the all-reduce ``mean`` of float16 values where
     they are not widened (off CPU) divides each part by N before the sum, so four of

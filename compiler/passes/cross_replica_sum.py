@@ -157,6 +157,8 @@ def _updates_zeros(op: Op, producers: dict[Value, Op]) -> bool:
 _LINEAR_SUMS = frozenset({"add_any", "add", "sub", "concatenate"})
 #: ops that cut their one operand into pieces (``unstack``: the transpose of a stack)
 _SPLITS = frozenset({"split", "unstack"})
+#: ops linear in their first operand, the others indices (a division commutes with them)
+_INDEXED = frozenset({"gather", "dynamic_slice"})
 #: ops linear in one operand (``div``: its numerator), the other a factor
 _LINEAR_ONE_SIDED = frozenset({"mul", "dot_general", "div"})
 
@@ -172,7 +174,7 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
     if p is not None and (len(p.results) == 1 or p.name in _SPLITS) and depth < 512:
         if _mean_candidate(p, enclosing):
             out = True
-        elif p.name in _LINEAR_UNARY or p.name in _SPLITS or (
+        elif p.name in _LINEAR_UNARY or p.name in _SPLITS or p.name in _INDEXED or (
                 p.name in _LINEAR_ZERO_REST and all(
                     is_zero(u, producers) for u in p.operands[1:])):
             out = _holds_reduce(p.operands[0], producers, enclosing, memo, depth + 1)
@@ -225,8 +227,9 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
         inside[v] = p
         if _mean_candidate(p, enclosing):
             reduces[id(p)] = p
-        elif p.name in _LINEAR_UNARY or p.name in _LINEAR_ZERO_REST or p.name in _SPLITS:
-            stack.append((p.operands[0], p, 0))  # (zeros: as they are)
+        elif p.name in _LINEAR_UNARY or p.name in _LINEAR_ZERO_REST or p.name in _SPLITS \
+                or p.name in _INDEXED:
+            stack.append((p.operands[0], p, 0))  # (zeros, indices: as they are)
         elif p.name == "dynamic_update_slice":  # (into zeros: ``_holds_reduce``)
             stack.append((p.operands[1], p, 1))
         elif p.name == "select_n":  # the cases, each divided or holding a mean
@@ -310,7 +313,7 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
         # a dynamic slice and of an update; zeros as they are)
         return set(mine) <= {0, 1} and all(zero(ops_[i]) for i in (0, 1) if i not in mine) \
             and all(mirrored(v) for v in ops_[2:])
-    if name in ("dynamic_slice", "gather"):
+    if name in _INDEXED:
         return mine == [0] and all(mirrored(v) for v in rest)
     if name in ("mul", "dot_general", "conv_general_dilated"):
         return len(mine) == 1 and all(mirrored(v) for v in rest)
