@@ -913,6 +913,12 @@ _PER_REPLICA_CONDS = {  # name: f(w, x) with a branch chosen per replica on the 
     "cond_closes_over_w": lambda w, x: lax.cond(x[0, 0] > 0, lambda: w, lambda: -w) * x,
     "stochastic_depth": lambda w, x: x + lax.cond(x[0, 0] > 0, lambda h: h * w,
                                                   jnp.zeros_like, x),
+    # both branches mask the weight (the mask, a residual each branch computes alike, is
+    # the same on every replica: before, typed per-replica, a DivergentCollectiveError)
+    "switch_masked": lambda w, x: lax.switch(
+        (x[0, 0] > 0).astype(jnp.int32), [lambda v: jnp.where(jnp.arange(3) % 2 == 0, v, 0),
+                                          lambda v: jnp.where(jnp.arange(3) % 2 == 0, v, 0) * .5],
+        w) * x,
 }
 
 

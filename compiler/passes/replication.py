@@ -177,8 +177,11 @@ def _region_rule(op: Op, reps: list[Replica],
             ng, o = _region(memo, g, args)
             regions.append(ng)
             outs = [_any([x, y]) for x, y in zip(outs, o)]
-        if index is V:
-            outs = [V] * len(outs)
+        if index is V:  # (each replica takes its own branch: a result differs unless every
+            # branch computes it alike from mirrored values: a constant mask, indices)
+            keys = [_branch_keys(g) for g in op.regions]
+            outs = [M if o is M and k[0][j] is not None and all(ks[j] == k[0][j] for ks in k)
+                    else V for j, o in enumerate(outs) for k in (keys,)]
         return outs, regions
     # call-like ops (pjit, custom_jvp_call, checkpoint, ...): region 0 takes the operands
     regions = []
@@ -192,6 +195,41 @@ def _region_rule(op: Op, reps: list[Replica],
             ng, _ = _region(memo, g, [_any(reps)] * len(g.inputs))
         regions.append(ng)
     return outs, regions
+
+
+#: ops that call their one region on their operands (``jnp`` functions JAX jits)
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _branch_keys(g: Graph) -> list[tuple | None]:
+    """A structural key of each output of ``g`` (a cond's branch): the ops computing it,
+    their attributes (by ``repr``: a spurious difference only keeps a result varying) and
+    the branch inputs it reads, by position (a call's region keyed alike); ``None`` for
+    one computed by another op with regions, or too deep. Outputs with equal keys in every branch are computed alike
+    whichever branch a replica takes (the residuals a forward cond returns to its
+    backward pass: a mask, gather indices)."""
+    producers = g.producers()
+    position = {v: i for i, v in enumerate(g.inputs)}
+    memo: dict[Value, tuple | None] = {}
+
+    def key(v: Value, depth: int) -> tuple | None:
+        if v in memo:
+            return memo[v]
+        if v in position:
+            out: tuple | None = ("input", position[v])
+        else:
+            op = producers.get(v)
+            if op is None or depth > 64 or (op.regions and op.name not in _CALLS):
+                out = None
+            else:  # (a call: its region's outputs keyed the same way)
+                args = [key(u, depth + 1) for u in op.operands]
+                inner = tuple(tuple(_branch_keys(r)) for r in op.regions)
+                out = None if any(a is None for a in args) or any(
+                    k is None for r in inner for k in r) else (
+                    op.name, repr(op.attrs), op.results.index(v), tuple(args), inner)
+        memo[v] = out
+        return out
+    return [key(v, 0) for v in g.outputs]
 
 
 @dataclass(frozen=True)
