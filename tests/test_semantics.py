@@ -919,6 +919,9 @@ _PER_REPLICA_CONDS = {  # name: f(w, x) with a branch chosen per replica on the 
         (x[0, 0] > 0).astype(jnp.int32), [lambda v: jnp.where(jnp.arange(3) % 2 == 0, v, 0),
                                           lambda v: jnp.where(jnp.arange(3) % 2 == 0, v, 0) * .5],
         w) * x,
+    # gathered at constant indices each branch's closure passes separately
+    "cond_gathered": lambda w, x: lax.cond(x[0, 0] > 0, lambda v: v[jnp.array([2, 0, 1])],
+                                           lambda v: v[jnp.array([2, 0, 1])] * .5, w) * x,
 }
 
 
@@ -969,3 +972,19 @@ def test_a_checkpointed_jit_with_an_array_constant_over_a_float16_weight():
     got = rt.replicate(jax.grad(loss), num_replicas=n)(w, rt.distribute(x[:, 0], n))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.any(np.asarray(want) != 0)
+
+
+def test_a_branch_per_replica_returning_large_constants_that_differ_in_the_middle():
+    """Branches that return constants equal but for one element in the middle (where
+    NumPy's ``repr`` elides a large array): the result stays per-replica (the replication
+    pass compares constants by their bytes when it keeps a result of a per-replica cond
+    mirrored because every branch computes it alike)."""
+    a = np.arange(2000, dtype=np.float32)
+    b = a.copy()
+    b[1000] = -5.0
+
+    def f(x):
+        return lax.cond(x[0, 0] > 0, lambda: jnp.asarray(a), lambda: jnp.asarray(b))[1000]
+    out = rt.replicate(f, num_replicas=2)(rt.distribute(np.asarray([[1.0], [-1.0]], np.float32), 2))
+    assert isinstance(out, rt.PerReplica)
+    assert [float(v) for v in out.values] == [1000.0, -5.0]

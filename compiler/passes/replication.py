@@ -15,7 +15,9 @@ ops with regions use ``_region_rule``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+import numpy as np
 
 from ir.graph import Graph, Op, RegionMemo, Value
 from ir.types import Replica
@@ -115,7 +117,7 @@ def _annotate(graph: Graph, in_reps: list[Replica],
         reps = [rep[v] for v in op.operands]
         regions = op.regions
         if op.regions:
-            out_reps, regions = _region_rule(op, reps, memo)
+            out_reps, regions = _region_rule(op, reps, memo, graph)
         else:
             rule = RULES.get(op.name, _default_rule)
             out_reps = rule(reps, op)
@@ -142,8 +144,8 @@ def _fixpoint(run: Callable[[list[Replica]], tuple[list[Graph], list[Replica]]],
         carry = merged
 
 
-def _region_rule(op: Op, reps: list[Replica],
-                 memo: RegionMemo) -> tuple[list[Replica], list[Graph]]:
+def _region_rule(op: Op, reps: list[Replica], memo: RegionMemo,
+                 graph: Graph | None = None) -> tuple[list[Replica], list[Graph]]:
     a = op.attr_dict
     if op.name == "scan":
         nc, ncarry = a["num_consts"], a["num_carry"]
@@ -179,7 +181,11 @@ def _region_rule(op: Op, reps: list[Replica],
             outs = [_any([x, y]) for x, y in zip(outs, o)]
         if index is V:  # (each replica takes its own branch: a result differs unless every
             # branch computes it alike from mirrored values: a constant mask, indices)
-            keys = [_branch_keys(g) for g in op.regions]
+            # (the operands keyed too: a constant each branch's closure passes separately)
+            outer = graph.producers() if graph is not None else {}
+            ins = [("constant", _attrs_key(outer[v].attrs)) if v in outer and
+                   outer[v].name == "constant" else ("operand", id(v)) for v in op.operands[1:]]
+            keys = [_branch_keys(g, ins) for g in op.regions]
             outs = [M if o is M and k[0][j] is not None and all(ks[j] == k[0][j] for ks in k)
                     else V for j, o in enumerate(outs) for k in (keys,)]
         return outs, regions
@@ -197,19 +203,31 @@ def _region_rule(op: Op, reps: list[Replica],
     return outs, regions
 
 
+def _attrs_key(x: Any) -> Any:
+    """``x`` (attributes) as a comparable key: arrays by dtype, shape and bytes (their
+    ``repr`` elides the middle of a large one), tuples item by item, the rest by ``repr``
+    (a spurious difference only keeps a result varying)."""
+    if isinstance(x, np.ndarray):
+        return ("array", str(x.dtype), x.shape, x.tobytes() if x.dtype != object else repr(x))
+    if isinstance(x, tuple):
+        return tuple(_attrs_key(y) for y in x)
+    return repr(x)
+
+
 #: ops that call their one region on their operands (``jnp`` functions JAX jits)
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
-def _branch_keys(g: Graph) -> list[tuple | None]:
+def _branch_keys(g: Graph, inputs: list | None = None) -> list[tuple | None]:
     """A structural key of each output of ``g`` (a cond's branch): the ops computing it,
-    their attributes (by ``repr``: a spurious difference only keeps a result varying) and
-    the branch inputs it reads, by position (a call's region keyed alike); ``None`` for
-    one computed by another op with regions, or too deep. Outputs with equal keys in every branch are computed alike
+    their attributes (``_attrs_key``) and
+    the branch inputs it reads, by position or by ``inputs`` (the keys of the cond's
+    operands; a call's region keyed alike); ``None`` for one computed by another op with
+    regions, or too deep. Outputs with equal keys in every branch are computed alike
     whichever branch a replica takes (the residuals a forward cond returns to its
     backward pass: a mask, gather indices)."""
     producers = g.producers()
-    position = {v: i for i, v in enumerate(g.inputs)}
+    position = {v: (i if inputs is None else inputs[i]) for i, v in enumerate(g.inputs)}
     memo: dict[Value, tuple | None] = {}
 
     def key(v: Value, depth: int) -> tuple | None:
@@ -226,7 +244,7 @@ def _branch_keys(g: Graph) -> list[tuple | None]:
                 inner = tuple(tuple(_branch_keys(r)) for r in op.regions)
                 out = None if any(a is None for a in args) or any(
                     k is None for r in inner for k in r) else (
-                    op.name, repr(op.attrs), op.results.index(v), tuple(args), inner)
+                    op.name, _attrs_key(op.attrs), op.results.index(v), tuple(args), inner)
         memo[v] = out
         return out
     return [key(v, 0) for v in g.outputs]
