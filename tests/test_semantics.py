@@ -919,6 +919,13 @@ _PER_REPLICA_CONDS = {  # name: f(w, x) with a branch chosen per replica on the 
         (x[0, 0] > 0).astype(jnp.int32), [lambda v: jnp.where(jnp.arange(3) % 2 == 0, v, 0),
                                           lambda v: jnp.where(jnp.arange(3) % 2 == 0, v, 0) * .5],
         w) * x,
+    # two of three branches mask by the weight itself, one is the identity: the mask, a
+    # residual one branch does not compute, is typed per-replica (zeros there); it is
+    # still each branch's own, the same on every replica that runs it
+    "switch_masked_by_the_weight_or_identity": lambda w, x: lax.switch(
+        (x[0, 0] > 0).astype(jnp.int32) * 2, [lambda v: jnp.where(w > 1.0, v, 0),
+                                              lambda v: jnp.where(w > 1.0, v, 0) * .5,
+                                              lambda v: v], w) * x,
     # gathered at constant indices each branch's closure passes separately
     "cond_gathered": lambda w, x: lax.cond(x[0, 0] > 0, lambda v: v[jnp.array([2, 0, 1])],
                                            lambda v: v[jnp.array([2, 0, 1])] * .5, w) * x,

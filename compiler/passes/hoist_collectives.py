@@ -216,8 +216,16 @@ class _Lifter:
     Σ_r of the replicas' addends is the sum the collectives computed, whichever branches
     or steps each replica ran."""
 
-    def __init__(self, num_replicas: int):
+    def __init__(self, num_replicas: int, branch_coefficients: bool = False):
         self.n = num_replicas
+        # the branches of a transposed per-replica cond (``HoistCollectivesPass``): a factor
+        # after a gradient sum there may be typed per-replica (a residual the forward cond
+        # returns, a zero where another branch computes it) though it is the same on every
+        # replica that runs the branch: JAX puts the sum where the mirrored weight first
+        # meets per-replica data, so what follows it in the backward pass is computed from
+        # mirrored values. Σ_r A_b(r) ct_r is the gradient whichever branch b(r) each takes.
+        # Not for the deferral (``cross_replica_sum``), where such a factor is real.
+        self.branch_coefficients = branch_coefficients
 
     def lift(self, region: Graph, partial_inputs: set[int]) -> tuple[Graph, set[int]]:
         region = _inline_calls(region)
@@ -263,8 +271,7 @@ class _Lifter:
                 rw.alias(r, part)
                 partial.add(part)
 
-    @staticmethod
-    def _check_linear(op: Op, reads: list[bool], producers: dict[Value, Op]) -> None:
+    def _check_linear(self, op: Op, reads: list[bool], producers: dict[Value, Op]) -> None:
         """Raise ``_Refused`` unless ``op`` is linear in its operands that are partials
         (``reads``), with coefficients identical on every replica: the deferral's rules
         (``cross_replica_sum._linear_in``), plus the markers and element-wise maps it
@@ -272,7 +279,8 @@ class _Lifter:
         if op.name in _UNARY_HERE:
             ok = len(op.operands) == 1
         else:
-            ok = _linear_in(op, [i for i, r in enumerate(reads) if r], lambda v: not _varying(v),
+            same = (lambda v: True) if self.branch_coefficients else (lambda v: not _varying(v))
+            ok = _linear_in(op, [i for i, r in enumerate(reads) if r], same,
                             lambda v: is_zero(v, producers))
         if not ok:
             raise _Refused(f"{op.name}{_where(op)} uses the result of a collective in a way "
@@ -414,7 +422,7 @@ class HoistCollectivesPass:
                 op = op.replace(regions=tuple(regions))
             hoisted = None
             if op.name == "cond" and is_t and _varying(op.operands[0]):
-                hoisted = self._hoist(op, lambda lifter: lifter.cond(op, set()), True)
+                hoisted = self._hoist(op, lambda lifter: lifter.cond(op, set()), True, True)
             elif op.name == "scan" and is_t:
                 hoisted = self._hoist(op, lambda lifter: lifter.scan(op, producers()), False)
             if hoisted is not None:
@@ -432,7 +440,8 @@ class HoistCollectivesPass:
             rw.emit(op)
         return rw.finish(), changed
 
-    def _hoist(self, op: Op, lift, required: bool) -> tuple[Op, list[int]] | None:
+    def _hoist(self, op: Op, lift, required: bool,
+               branch_coefficients: bool = False) -> tuple[Op, list[int]] | None:
         """``op`` (a cond or a scan) with every collective of its regions taken out (see
         ``_Lifter``), and the result positions to sum after it; ``None`` when no region
         holds a collective or one cannot be taken out. ``required``: the collective may
@@ -442,7 +451,7 @@ class HoistCollectivesPass:
         if not _has_collective(op):
             return None
         try:
-            new, positions = lift(_Lifter(self.num_replicas))
+            new, positions = lift(_Lifter(self.num_replicas, branch_coefficients))
         except _Refused as e:
             if required:
                 self._why.append(str(e))
