@@ -377,10 +377,16 @@ def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
     if not changed:
         return graph
     new = Graph(graph.inputs, tuple(ops), graph.outputs, graph.name)
-    if conds:  # (a branch that returns a mirrored zero where another returns an addend)
-        from compiler.passes.replication import annotate
-        new = annotate(new, [v.type.replica or Replica.VARYING for v in new.inputs])[0]
-    return new
+    # (a branch that returns a mirrored zero where another returns an addend)
+    return _retyped(new) if conds else new
+
+
+def _retyped(graph: Graph) -> Graph:
+    """``graph`` with its values' variances derived again from its inputs' (the
+    replication pass's rules): after a scan's or cond's regions were made to take or
+    return addends where a mirrored zero comes in or goes out."""
+    from compiler.passes.replication import annotate
+    return annotate(graph, [v.type.replica or Replica.VARYING for v in graph.inputs])[0]
 
 
 def _hoist_from_cond(op: Op, enclosing: bool, memo: dict) -> list[Op] | None:
@@ -405,8 +411,8 @@ def _hoist_from_cond(op: Op, enclosing: bool, memo: dict) -> list[Op] | None:
         for j, reduce in h.items():
             hoisted.setdefault(j, reduce)
     if not hoisted or len({r.attrs for r in hoisted.values()}) != 1 or any(
-            any(j not in h and not is_zero(g.outputs[j], g.producers()) for j in hoisted)
-            for g, h in sunk):
+            any(not is_zero(g.outputs[j], prods) for j in hoisted if j not in h)
+            for g, h in sunk for prods in (g.producers(),)):
         return None  # (a branch returns something else there, or sums of other kinds)
     results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in hoisted else r
                     for j, r in enumerate(op.results))
@@ -526,8 +532,8 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
     planned: dict[int, list[int]] = {}  # op id -> the positions of its deferred operands
     needed: set[Value] = set()    # deferred values something else reads
 
-    calls: dict[int, tuple[Graph, dict[int, Op]]] = {}  # planned call id -> region, sums
-    lifted: set[int] = set()  # (planned scans and conds: ``calls`` holds the new op)
+    # planned call id -> region (a scan's or cond's: the op, lifted), sums
+    calls: dict[int, tuple[Graph | Op, dict[int, Op]]] = {}
 
     def mirrored(v: Value) -> bool:  # (a deferred value summed before: as it is)
         return (v not in group or v in needed) and v.type.replica is Replica.MIRRORED
@@ -577,8 +583,6 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
         planned[id(op)] = mine
         if through is not None:
             calls[id(op)] = through
-            if loop is not None:
-                lifted.add(id(op))
             for j in through[1]:
                 group[op.results[j]] = g
             continue
@@ -624,7 +628,7 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
                 body, sums = calls[id(op)]
                 results = tuple(Value(r.type.with_replica(Replica.VARYING)) if j in sums else r
                                 for j, r in enumerate(op.results))
-                if id(op) in lifted:  # (``body`` is the scan or cond, its regions lifted)
+                if isinstance(body, Op):  # (a scan or cond: the op, its regions lifted)
                     retype = True
                     ops.append(body.with_values(operands, results, body.regions))
                 else:
@@ -648,11 +652,9 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
     hoisted = {j: source[g] for j, g in returned.items() if g in moving}
     new_outputs = tuple(addend[v] if j in hoisted else v for j, v in enumerate(outputs))
     new = Graph(tuple(new_inputs), tuple(ops), new_outputs, graph.name)
-    if retype:  # (a scan's carry that starts at a mirrored zero now holds an addend, a
-        # cond's branch returns one where another returns a mirrored zero)
-        from compiler.passes.replication import annotate
-        new = annotate(new, [v.type.replica or Replica.VARYING for v in new.inputs])[0]
-    return new, hoisted
+    # (a scan's carry that starts at a mirrored zero now holds an addend, a cond's branch
+    # returns one where another returns a mirrored zero)
+    return (_retyped(new) if retype else new), hoisted
 
 
 def _lifted_for_addends(op: Op, mine: list[int], producers: dict[Value, Op]

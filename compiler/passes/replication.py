@@ -14,6 +14,7 @@ ops with regions use ``_region_rule``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -113,11 +114,12 @@ def _annotate(graph: Graph, in_reps: list[Replica],
         new_vals[v] = nv
         inputs.append(nv)
     ops = []
+    producers = functools.cache(graph.producers)  # (for a per-replica cond's operands, once)
     for op in graph.ops:
         reps = [rep[v] for v in op.operands]
         regions = op.regions
         if op.regions:
-            out_reps, regions = _region_rule(op, reps, memo, graph)
+            out_reps, regions = _region_rule(op, reps, memo, producers)
         else:
             rule = RULES.get(op.name, _default_rule)
             out_reps = rule(reps, op)
@@ -145,7 +147,7 @@ def _fixpoint(run: Callable[[list[Replica]], tuple[list[Graph], list[Replica]]],
 
 
 def _region_rule(op: Op, reps: list[Replica], memo: RegionMemo,
-                 graph: Graph | None = None) -> tuple[list[Replica], list[Graph]]:
+                 producers: Callable[[], dict[Value, Op]]) -> tuple[list[Replica], list[Graph]]:
     a = op.attr_dict
     if op.name == "scan":
         nc, ncarry = a["num_consts"], a["num_carry"]
@@ -182,12 +184,12 @@ def _region_rule(op: Op, reps: list[Replica], memo: RegionMemo,
         if index is V:  # (each replica takes its own branch: a result differs unless every
             # branch computes it alike from mirrored values: a constant mask, indices)
             # (the operands keyed too: a constant each branch's closure passes separately)
-            outer = graph.producers() if graph is not None else {}
+            outer = producers()
             ins = [("constant", _attrs_key(outer[v].attrs)) if v in outer and
                    outer[v].name == "constant" else ("operand", id(v)) for v in op.operands[1:]]
-            keys = [_branch_keys(g, ins) for g in op.regions]
-            outs = [M if o is M and k[0][j] is not None and all(ks[j] == k[0][j] for ks in k)
-                    else V for j, o in enumerate(outs) for k in (keys,)]
+            first, *others = [_branch_keys(g, ins) for g in op.regions]
+            outs = [M if o is M and first[j] is not None and all(k[j] == first[j] for k in others)
+                    else V for j, o in enumerate(outs)]
         return outs, regions
     # call-like ops (pjit, custom_jvp_call, checkpoint, ...): region 0 takes the operands
     regions = []
@@ -207,8 +209,10 @@ def _attrs_key(x: Any) -> Any:
     """``x`` (attributes) as a comparable key: arrays by dtype, shape and bytes (their
     ``repr`` elides the middle of a large one), tuples item by item, the rest by ``repr``
     (a spurious difference only keeps a result varying)."""
-    if isinstance(x, np.ndarray):
-        return ("array", str(x.dtype), x.shape, x.tobytes() if x.dtype != object else repr(x))
+    if isinstance(x, np.ndarray) or (hasattr(x, "__array__") and hasattr(x, "shape")):
+        x = np.asarray(x)  # (a JAX array's repr elides too)
+        # (an object array: only itself is equal to itself)
+        return ("array", str(x.dtype), x.shape, x.tobytes() if x.dtype != object else id(x))
     if isinstance(x, tuple):
         return tuple(_attrs_key(y) for y in x)
     return repr(x)
