@@ -1152,7 +1152,7 @@ def _install_varying_promotion() -> None:
             out = _selected((false_fun, true_fun), index, operands)
             if out is not None:
                 return out
-        fns, operands = _varying_by_index(pred, (true_fun, false_fun), operands)
+        fns = _varying_by_index(pred, (true_fun, false_fun))
         return _to_fixed_point(lambda axes: cast_all(fns, axes),
                                lambda fns, _: orig["cond"](pred, *fns, *operands, **kwargs))
 
@@ -1162,7 +1162,7 @@ def _install_varying_promotion() -> None:
                                                           len(branches) - 1), operands)
             if out is not None:
                 return out
-        fns, operands = _varying_by_index(index, list(branches), operands)
+        fns = _varying_by_index(index, list(branches))
         return _to_fixed_point(lambda axes: cast_all(fns, axes),
                                lambda fns, _: orig["switch"](index, fns, *operands, **kwargs))
 
@@ -1196,8 +1196,7 @@ def _install_varying_promotion() -> None:
                 setattr(module, name, wrapper)
 
 
-def _varying_by_index(index: Any, branches: Sequence[Any], operands: tuple
-                      ) -> tuple[list, tuple]:
+def _varying_by_index(index: Any, branches: Sequence[Any]) -> list:
     """A ``cond``/``switch`` whose index varies over manual axes (each replica picks its
     own branch): every branch's results cast to vary over them too. JAX types the
     results by the branches' alone (jax-ml/jax#40823, open in 0.10 and 0.11):
@@ -1211,9 +1210,9 @@ def _varying_by_index(index: Any, branches: Sequence[Any], operands: tuple
     try:
         axes = varying_axes(jax.typeof(index))
     except TypeError:  # (not an array: a Python value, the same everywhere)
-        return list(branches), operands
+        return list(branches)
     if not axes:
-        return list(branches), operands
+        return list(branches)
     cast = lambda tree: jax.tree.map(lambda x: to_varying(x, axes), tree)  # noqa: E731
 
     def outputs_cast(fn: Any) -> Any:
@@ -1221,7 +1220,7 @@ def _varying_by_index(index: Any, branches: Sequence[Any], operands: tuple
         def branch(*args: Any, **kwargs: Any) -> Any:
             return cast(fn(*args, **kwargs))
         return branch
-    return [outputs_cast(f) for f in branches], operands
+    return [outputs_cast(f) for f in branches]
 
 
 def _vmapped(index: Any) -> bool:
@@ -2152,8 +2151,4 @@ def distributed_client() -> Any:
 def distributed_initialized() -> bool:
     """Whether ``jax.distributed.initialize`` has run in this process (JAX has no public
     query for it in 0.10 or 0.11)."""
-    try:
-        from jax._src import distributed as _d
-        return _d.global_state.client is not None
-    except Exception:  # noqa: BLE001 - the private state moved: assume not initialized
-        return False
+    return distributed_client() is not None
