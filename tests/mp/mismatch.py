@@ -12,7 +12,10 @@ there, so process 0 waits for it in vain, RT_ARGUMENTS_TIMEOUT_S)."""
 import os
 import sys
 
-import runtime as rt
+# the repository's root on the path, as a test's own run has it (no install needed)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import runtime as rt  # noqa: E402
 
 rt.initialize_distributed()
 import jax  # noqa: E402
