@@ -43,6 +43,15 @@ COLLECTIVES = frozenset({"all_reduce", "all_gather", "all_to_all", "ppermute", "
                          "psum_scatter", "pbroadcast", "all_gather_invariant", "ragged_all_to_all",
                          "pgather", "psum", "pmax", "pmin", "psum_invariant"})
 
+#: ops that only call their one region on their operands and return its outputs
+#: (``jax.jit`` and JAX's other call primitives, of any JAX version): inlining one changes
+#: no value, and what holds of its region's outputs holds of its results
+PLAIN_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
+
+#: rematerialization (``jax.checkpoint``): a call of one region on its operands that
+#: lowering keeps as an op (inlined, XLA would merge the recomputation away)
+REMAT_CALLS = frozenset({"remat2", "checkpoint", "remat"})
+
 #: primitive names of other JAX versions that lowering still accepts (call-like ops)
 COMPAT_NAMES = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
                           "checkpoint", "custom_vjp_call_jaxpr", "custom_vjp_call",

@@ -50,6 +50,7 @@ import numpy as np
 from compiler.errors import PassError
 from ir import _jax_compat as jc
 from ir.graph import Graph, Loc, Op, RegionMemo, Rewriter, Value
+from ir.ops import PLAIN_CALLS, REMAT_CALLS
 from ir.types import Replica, TensorType
 
 
@@ -332,8 +333,7 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
 
 #: ops that call their one region on their operands and return its outputs
 #: (``jax.jit``, ``jax.checkpoint``): a gradient sum they return moves out of them
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call", "remat2",
-                    "checkpoint", "remat"})
+_CALLS = PLAIN_CALLS | REMAT_CALLS
 
 
 def _hoist_from_calls(graph: Graph, enclosing: bool, memo: dict) -> Graph:
@@ -421,9 +421,6 @@ def _hoist_from_cond(op: Op, enclosing: bool, memo: dict) -> list[Op] | None:
         for j, reduce in sorted(hoisted.items()))]
 
 
-#: calls inlined where they read a narrow gradient sum (``_inline_narrow_sum_calls``)
-_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
-
 
 def _narrow_sum(op: Op, enclosing: bool) -> bool:
     """A gradient all-reduce of a float type narrower than float32 (``_sinkable_reduce``)."""
@@ -440,7 +437,7 @@ def _inline_narrow_sum_calls(graph: Graph, enclosing: bool) -> Graph:
     summed to inf where pmap gives a finite mean). A call computes what its ops do, so
     inlining it changes no number. The inlined ops are new values (a region several
     calls share keeps its own)."""
-    if not any(op.name in _INLINED for op in graph.ops) or not any(
+    if not any(op.name in PLAIN_CALLS for op in graph.ops) or not any(
             _narrow_sum(op, enclosing) for op in graph.ops):
         return graph
     rw = Rewriter(graph)
@@ -453,7 +450,7 @@ def _inline_narrow_sum_calls(graph: Graph, enclosing: bool) -> Graph:
         for a, v in zip(body.inputs, op.operands):
             inner.alias(a, env.get(v))
         for o in body.ops:
-            if o.name in _INLINED and len(o.regions) == 1 and \
+            if o.name in PLAIN_CALLS and len(o.regions) == 1 and \
                     len(o.regions[0].inputs) == len(o.operands):
                 inline(o, inner)
                 continue
@@ -468,7 +465,7 @@ def _inline_narrow_sum_calls(graph: Graph, enclosing: bool) -> Graph:
         if _narrow_sum(op, enclosing):
             narrow.update(op.results)
         elif any(rw.get(v) in narrow for v in op.operands):
-            if op.name in _INLINED and len(op.regions) == 1 and \
+            if op.name in PLAIN_CALLS and len(op.regions) == 1 and \
                     len(op.regions[0].inputs) == len(op.operands):
                 start = len(rw.ops)
                 inline(op, rw)

@@ -46,7 +46,7 @@ from compiler.errors import DivergentCollectiveError
 from compiler.passes.cross_replica_sum import _linear_in, is_zero, transposed
 from compiler.passes.replication import annotate
 from ir.graph import Graph, Op, RegionMemo, Rewriter, Value
-from ir.ops import COLLECTIVES  # (ops that talk to other replicas over the replica axis)
+from ir.ops import COLLECTIVES, PLAIN_CALLS, REMAT_CALLS
 from ir.jaxpr_import import REPLICA_AXIS
 from ir.types import Replica
 
@@ -55,10 +55,6 @@ from ir.types import Replica
 #: (``cross_replica_sum._linear_in``): the loss-scale marker, a sharding annotation, the
 #: parts of a complex value, any cast (a cotangent's dtype is the primal's)
 _UNARY_HERE = frozenset({"loss_scale", "shard", "real", "imag", "conj", "convert_element_type"})
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "named_call"})
-#: rematerialization (``jax.checkpoint``): a region of one graph, its inputs the operands,
-#: kept as an op (inlining it would let XLA merge the recomputation away)
-_REMAT = frozenset({"remat2", "checkpoint", "remat"})
 #: ops whose region only combines scalars (a scatter's update): checked as ops, not lifted
 _COMBINED = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"})
 
@@ -160,11 +156,11 @@ def check_no_divergent_collectives(graph: Graph) -> None:
 def _inline_calls(graph: Graph) -> Graph:
     """``graph`` with call-like ops (``jit``) inlined, so collectives inside them are
     seen by the linearity analysis."""
-    if not any(op.name in _CALLS for op in graph.ops):
+    if not any(op.name in PLAIN_CALLS for op in graph.ops):
         return graph
     rw = Rewriter(graph)
     for op in graph.ops:
-        if op.name in _CALLS and op.regions and len(op.regions[0].inputs) == len(op.operands):
+        if op.name in PLAIN_CALLS and op.regions and len(op.regions[0].inputs) == len(op.operands):
             region = _inline_calls(op.regions[0])
             inner = Rewriter(region)
             for a, v in zip(region.inputs, op.operands):
@@ -294,7 +290,7 @@ class _Lifter:
             if reads[0]:
                 raise _Refused(f"cond{_where(op)} branches on a value that owes an all-reduce")
             new, outs = self.cond(op, {i - 1 for i, r in enumerate(reads) if r and i > 0})
-        elif op.name in _REMAT and len(op.regions) == 1 and \
+        elif op.name in REMAT_CALLS and len(op.regions) == 1 and \
                 len(op.regions[0].inputs) == len(op.operands):
             region, outs = self.lift(op.regions[0], {i for i, r in enumerate(reads) if r})
             new = op.replace(regions=(region,))

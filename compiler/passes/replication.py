@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ir.graph import Graph, Op, RegionMemo, Value
+from ir.ops import PLAIN_CALLS
 from ir.types import Replica
 
 V, M = Replica.VARYING, Replica.MIRRORED
@@ -218,9 +219,6 @@ def _attrs_key(x: Any) -> Any:
     return repr(x)
 
 
-#: ops that call their one region on their operands (``jnp`` functions JAX jits)
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-
 
 def _branch_keys(g: Graph, inputs: list | None = None) -> list[tuple | None]:
     """A structural key of each output of ``g`` (a cond's branch): the ops computing it,
@@ -241,7 +239,7 @@ def _branch_keys(g: Graph, inputs: list | None = None) -> list[tuple | None]:
             out: tuple | None = ("input", position[v])
         else:
             op = producers.get(v)
-            if op is None or depth > 64 or (op.regions and op.name not in _CALLS):
+            if op is None or depth > 64 or (op.regions and op.name not in PLAIN_CALLS):
                 out = None
             else:  # (a call: its region's outputs keyed the same way)
                 args = [key(u, depth + 1) for u in op.operands]
