@@ -422,7 +422,8 @@ def test_gradient_through_a_per_example_branch_under_vmap(kind):
 
 @pytest.mark.parametrize("case", ["plain", "regularized", "used_twice", "shared_regularizer",
                                   "sliced", "jnp_where", "jnp_pad", "concat", "dynamic_slice",
-                                  "checkpointed_slice", "concat_with_zeros"])
+                                  "checkpointed_slice", "concat_with_zeros", "conv",
+                                  "set_zero", "gathered", "barrier", "conv_then_loop"])
 def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
     """A float16 weight under a 2**15 loss scale on 4 replicas: each replica's gradient
     (and the mean) is finite, the sum of four is not. The gradient all-reduce takes the
@@ -434,7 +435,10 @@ def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
     sum padded with zeros (the transpose of the slice): the mean moves below the pad,
     below an update of zeros (a ``dynamic_slice``'s), a split (a ``concatenate``'s) and
     through a ``jnp`` function JAX jits (``jnp.where``, ``jnp.pad``: the call is inlined;
-    before, these kept the float16 sum: inf)."""
+    before, these kept the float16 sum: inf), and below every op the sum's deferral takes
+    as linear: a convolution with a mirrored kernel, a write of zeros, a gather's
+    transpose (a scatter-add into zeros), an ``optimization_barrier`` (before: inf; found
+    by the fuzzer, a conv kernel ahead of a loop)."""
     n = 4
     uses = {"used_twice": lambda x, w: x * w + 0.5 * (x * w),
             "sliced": lambda x, w: x * w[:3],
@@ -443,7 +447,19 @@ def test_float16_mean_gradient_does_not_overflow_in_its_sum(case):
             "concat": lambda x, w: x * jnp.concatenate([w, w])[2:5],
             "dynamic_slice": lambda x, w: x * lax.dynamic_slice_in_dim(w, 1, 3),
             "checkpointed_slice": lambda x, w: x * jax.checkpoint(lambda w: w[1:])(w),
-            "concat_with_zeros": lambda x, w: x * jnp.concatenate([w, jnp.zeros_like(w)])[1:4]}
+            "concat_with_zeros": lambda x, w: x * jnp.concatenate([w, jnp.zeros_like(w)])[1:4],
+            "conv": lambda x, w: x * lax.conv_general_dilated(
+                w[None, None], jnp.array([1.0, -0.5], jnp.float16)[None, None], (1,),
+                "SAME")[0, 0],
+            "set_zero": lambda x, w: x * w.at[1].set(0),
+            "gathered": lambda x, w: x * w[jnp.array([0, 2, 2])],
+            "barrier": lambda x, w: x * lax.optimization_barrier(w),
+            "conv_then_loop": lambda x, w: conv_then_loop(x, w)}
+
+    def conv_then_loop(x, w):  # the fuzzer's case: two sums added, then the conv's transpose
+        v = uses["conv"](jnp.float16(1), w)
+        rows = lax.scan(lambda c, xi: (c, v * xi), 0, x[:, 0])[1]  # per example
+        return x * (v + rows)
 
     def loss(p, x):
         w, v = p

@@ -187,8 +187,32 @@ def _holds_reduce(v: Value, producers: dict[Value, Op], enclosing: bool,
         elif p.name in _LINEAR_SUMS or p.name in _LINEAR_ONE_SIDED:
             out = any(_holds_reduce(u, producers, enclosing, memo, depth + 1)
                       for u in p.operands)
+        else:
+            out = bool(_linear_reduce_operands(p, producers, functools.partial(
+                _holds_reduce, producers=producers, enclosing=enclosing, memo=memo,
+                depth=depth + 1)))
     memo[v] = out
     return out
+
+
+#: ops ``_linear_in`` takes that a division by N does not pass exactly: a rounding
+#: (``x/N`` may fall below float16's normal range where ``x`` does not)
+_ROUNDING = frozenset({"reduce_precision"})
+
+
+def _linear_reduce_operands(op: Op, producers: dict[Value, Op],
+                            holds_reduce: Callable[[Value], bool]) -> list[int]:
+    """The positions of ``op``'s operands holding gradient all-reduces when ``op`` is
+    linear in them together (``_linear_in``; its other operands coefficients or zeros,
+    whatever their variance: a division by N commutes with it all the same), else none:
+    the ops beyond ``_holds_reduce``'s own rules that ``_half_means`` moves a division
+    below (a convolution, a scatter, an update of zeros, a layout annotation...)."""
+    if op.name in _ROUNDING:
+        return []
+    mine = [i for i, u in enumerate(op.operands) if holds_reduce(u)]
+    if mine and _linear_in(op, mine, lambda v: True, lambda v: is_zero(v, producers)):
+        return mine
+    return []
 
 
 def _gradient_sum(op: Op, enclosing: bool, static: bool = True) -> bool:
@@ -237,12 +261,15 @@ def _closure(scale: Op, producers: dict[Value, Op], holds_reduce: Callable[[Valu
             stack.extend((u, p, i) for i, u in enumerate(p.operands) if i > 0)
         elif p.name in _LINEAR_SUMS:
             stack.extend((u, p, i) for i, u in enumerate(p.operands))
-        else:  # one-sided: the operand with the all-reduce (a div's numerator)
+        elif p.name in _LINEAR_ONE_SIDED:  # the operand with the all-reduce (a div's numerator)
             sides = (0,) if p.name == "div" else (0, 1)
             with_reduce = [i for i in sides if holds_reduce(p.operands[i])]
             if len(with_reduce) != 1:
                 return None
             stack.append((p.operands[with_reduce[0]], p, with_reduce[0]))
+        else:  # linear in the operands holding all-reduces, the others as they are
+            stack.extend((p.operands[i], p, i)
+                         for i in _linear_reduce_operands(p, producers, holds_reduce))
     return inside, reduces, others, readers
 
 
