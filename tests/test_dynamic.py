@@ -554,9 +554,54 @@ def test_scatter_clip_of_padded_rows_is_a_clear_error():
     f = lambda x: jnp.zeros((3, 2)).at[(x[:, 0] > 0).astype(jnp.int32)].add(x, mode="clip")  # noqa: E731
     step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))
     with pytest.raises(ValueError, match=r"padding: scatter-add in mode 'clip' scatters padded "
-                                         r"update rows \(dim \['b'\]\).*mode='drop' "
+                                         r"update rows \(dim \['b'\]\).*mode='drop'.*"
                                          r"\(test_dynamic.py:\d+\)"):
         step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
+
+
+@pytest.mark.parametrize("case", ["grad_of_roll", "vmapped_add"])
+def test_scatter_along_a_batching_dim_of_padded_rows_equals_jit(case):
+    """A scatter whose padded rows run along a batching dim (``jax.vmap``'s) lands them in
+    the operand's padded batch rows, so even ``clip`` mode is exact: the gradient of a
+    per-example ``jnp.roll`` (flax's ``examples/sst2`` ``flip_sequences``; before: a
+    ``PaddingError`` telling the user to change the mode of a scatter they never wrote)
+    and a vmapped ``.at[i].add(mode="clip")``. Oracle: each replica's ``jax.jit``."""
+    def flip(x, n):  # flax examples/sst2/models.py
+        return jnp.flip(jnp.roll(x, x.shape[0] - n, axis=0), axis=0)
+
+    if case == "grad_of_roll":
+        def step(w, x, n):
+            return jax.grad(lambda w: jnp.mean(jax.vmap(flip)(x * w, n) ** 2
+                                               * jnp.arange(1.0, 5.0)))(w)
+    else:
+        def step(w, x, n):
+            return jax.vmap(lambda r, i: (r * w).at[i].add(r[0] * 2.0, mode="clip"))(x, n)
+    rng = np.random.default_rng(7)
+    xs = [rng.normal(size=(b, 4)).astype(np.float32) for b in (3, 2)]
+    ns = [np.array([1, 4, 2][:b], np.int32) for b in (3, 2)]
+    w = np.float32(1.5)
+    got = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))(
+        w, rt.PerReplica(xs), rt.PerReplica(ns))
+    want = [np.asarray(jax.jit(step)(w, x, n)) for x, n in zip(xs, ns)]
+    if case == "grad_of_roll":  # (a mirrored weight's gradient: the replicas' mean)
+        np.testing.assert_allclose(np.asarray(got), np.mean(want), rtol=1e-6)
+    else:
+        for g, v in zip(got.values, want):
+            np.testing.assert_allclose(np.asarray(g), v, rtol=1e-6)
+
+
+def test_clip_scatter_made_by_a_gradient_names_the_indexing():
+    """The gradient of ``jnp.take(w, i, mode="clip")`` at per-replica indices is a clip-mode
+    scatter the user never wrote: the error says so and what to do instead."""
+    step = rt.replicate(lambda w, i: jax.grad(lambda w: jnp.sum(jnp.take(w, i, mode="clip")))(w),
+                        num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(ValueError, match=r"scatter-add in mode 'clip' scatters padded update "
+                                         r"rows \(dim \['b'\]\).*gradient of a clip-mode "
+                                         r"gather or take there, index with mode='fill'.*"
+                                         r"\(test_dynamic.py:\d+\)"):
+        step(np.ones((4,), np.float32), rt.PerReplica([np.array([0, 1, 3], np.int32),
+                                                        np.array([2], np.int32)]))
 
 
 _WINDOW = jax.lax.ScatterDimensionNumbers(update_window_dims=(0, 1), inserted_window_dims=(),

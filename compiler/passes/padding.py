@@ -1186,12 +1186,20 @@ class _Padder:
                                          bucket(a), x_pad[a], op)
         # update rows that are padding: their indices go past the operand, so XLA drops them
         rows = {a: sym for a, sym in pads[1].items() if a != idx_t.rank - 1}
+        # a padded row along a batching dim scatters into the operand's batch of that
+        # index, a padded one where that axis is padded alike (vmap's scatters: the
+        # gradient of a per-example ``dynamic_slice``): padding onto padding
+        for ia, oa in zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims):
+            if ia in rows and x_pad.get(oa) == rows[ia]:
+                del rows[ia]
         if rows:
             if mode == "CLIP":
                 raise PaddingError(
                     f"padding: {name} in mode 'clip' scatters padded update rows (dim "
                     f"{sorted(set(rows.values()))}); clip cannot drop them, so they would land "
-                    f"on real elements: use mode='drop' ({_loc(op)})")
+                    f"on real elements: use mode='drop' (where the scatter is JAX's gradient "
+                    f"of a clip-mode gather or take there, index with mode='fill'), or keep "
+                    f"that axis static (RunOptions(dynamic_dims=...)) ({_loc(op)})")
             a0 = dn.scatter_dims_to_operand_dims[0]
             past = int(operands[0].type.shape[a0])
             for a, sym in rows.items():
