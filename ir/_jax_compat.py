@@ -2109,6 +2109,69 @@ def symbolic_cumulative():
         _SYMBOLIC_CUMULATIVE.reset(token)
 
 
+# -- a dynamic size is per replica ---------------------------------------------------
+# Traced with symbolic sizes, a step sees each dynamic dim as one expression (``b``),
+# which JAX takes for the same number on every device of the mesh: its value
+# (``dim_as_value``: ``jnp.mean``'s count, ``x.shape[0]`` in arithmetic) is typed
+# invariant, so ``lax.psum(x.shape[0], axis)`` gave ``N * b`` (a constant-folded sum, or
+# the sum of an invariant value) and ``pmean`` gave ``b``: each replica its own wrong
+# total, where the replicas' real sizes differ (``5 + 3`` gave 10 and 6, silently: flax's
+# sst2 ``count`` metric). While :func:`per_replica_dim_values` is on, such a value is
+# typed varying over the replica axis, and a ``psum`` of bare sizes sums those values.
+_DIM_VALUE_AXES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "dim_value_axes", default=None)
+
+
+def _install_per_replica_dim_values() -> None:
+    """Wrap ``shape_poly._dim_as_value`` (every size-to-value conversion goes through it),
+    ``parallel._psum`` (whose constant case would multiply a bare size by N without
+    converting it) and ``parallel.insert_collective_pvary`` (the other collectives' cast
+    of their operand, which would take a bare size for an invariant value); idempotent,
+    and JAX's own behaviour while the context is off."""
+    from jax._src.export import shape_poly
+    from jax._src.lax import parallel
+
+    orig_value = shape_poly._dim_as_value
+    if getattr(orig_value, "_replicate_hlo", False):
+        return
+
+    def dim_as_value(dim):
+        out = orig_value(dim)
+        axes = _DIM_VALUE_AXES.get()
+        return out if axes is None else to_varying(out, frozenset(axes))
+
+    def as_values(x):
+        if _DIM_VALUE_AXES.get() is None:
+            return x
+        return jax.tree.map(lambda v: _core.dimension_as_value(v) if is_symbolic_dim(v)
+                            else v, x)
+    orig_psum, orig_pvary = parallel._psum, parallel.insert_collective_pvary
+
+    def psum(x, *args, **kwargs):
+        return orig_psum(as_values(x), *args, **kwargs)
+
+    def insert_collective_pvary(axis_name, x):  # (pmax, pmin, all_gather...: JAX would
+        # type a bare size invariant, then cast a value that already varies)
+        return orig_pvary(axis_name, as_values(x))
+
+    for f in (dim_as_value, psum, insert_collective_pvary):
+        f._replicate_hlo = True
+    shape_poly._dim_as_value, parallel._psum = dim_as_value, psum
+    parallel.insert_collective_pvary = insert_collective_pvary
+
+
+@contextlib.contextmanager
+def per_replica_dim_values(axis_name: str):
+    """While a step with symbolic sizes is traced over the replica axis ``axis_name``:
+    the values of its sizes vary over that axis (see above)."""
+    _install_per_replica_dim_values()
+    token = _DIM_VALUE_AXES.set((axis_name,))
+    try:
+        yield
+    finally:
+        _DIM_VALUE_AXES.reset(token)
+
+
 def define_scale_primitive(name: str) -> Primitive:
     """A primitive standing for ``x * factor`` with the factor decided later (by a pass):
     linear and self-adjoint, so its JVP and its transpose are itself with the same

@@ -599,7 +599,8 @@ class DynamicPath:
         name = rep.__name__
         fn = rep._callable(statics)
         try:
-            with jc.symbolic_cumulative(), watching_local_views() as local_views:
+            with jc.symbolic_cumulative(), jc.per_replica_dim_values(rep.axis_name), \
+                    watching_local_views() as local_views:
                 graph, t = trace_replica_fn(flat_fn, specs, rep.num_replicas, name,
                                             logical_devices=rep.logical_devices,
                                             axis_name=rep.axis_name)

@@ -559,6 +559,31 @@ def test_scatter_clip_of_padded_rows_is_a_clear_error():
         step(rt.PerReplica([np.ones((5, 2), np.float32), np.ones((3, 2), np.float32)]))
 
 
+@pytest.mark.parametrize("case", ["psum", "pmean", "pmax", "pmin", "psum_float", "psum_tree",
+                                  "all_gather", "psum_of_mean_count"])
+def test_collective_of_a_dynamic_size_sums_the_replicas_sizes(case):
+    """A dynamic size is each replica's own: ``lax.psum(x.shape[0], axis)`` is the sum of
+    the real sizes (5 + 3 = 8, what pmap gives on the unpadded batches), ``pmean`` their
+    mean, ``pmax`` their max... Before, JAX took the symbolic size for one number on every
+    replica: the sum came out ``N * b`` per replica (10 and 6, no error: flax sst2's
+    ``count`` metric) and the mean ``b``."""
+    def step(x):
+        b = x.shape[0]
+        return {"psum": lambda: lax.psum(b, "i"), "pmean": lambda: lax.pmean(b, "i"),
+                "pmax": lambda: lax.pmax(b, "i"), "pmin": lambda: lax.pmin(b, "i"),
+                "psum_float": lambda: lax.psum(jnp.float32(b) * 2.0, "i"),
+                "psum_tree": lambda: lax.psum({"n": b, "s": jnp.sum(x)}, "i")["n"],
+                "all_gather": lambda: lax.all_gather(b, "i"),
+                "psum_of_mean_count": lambda: lax.psum(jnp.sum(x) / jnp.mean(x), "i")}[case]()
+    xs = [np.full((n, 2), 0.5, np.float32) for n in (5, 3)]
+    got = rt.replicate(step, num_replicas=2, axis_name="i",
+                       options=rt.RunOptions(dynamic_shapes=True))(rt.PerReplica(xs))
+    want = {"psum": 8, "pmean": 4.0, "pmax": 5, "pmin": 3, "psum_float": 16.0, "psum_tree": 8,
+            "all_gather": [5, 3], "psum_of_mean_count": 16.0}[case]
+    assert not isinstance(got, rt.PerReplica), got
+    np.testing.assert_allclose(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("case", ["grad_of_roll", "vmapped_add"])
 def test_scatter_along_a_batching_dim_of_padded_rows_equals_jit(case):
     """A scatter whose padded rows run along a batching dim (``jax.vmap``'s) lands them in

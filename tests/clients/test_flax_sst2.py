@@ -336,3 +336,45 @@ def test_sst2(n, dropout):
     port = Port(step=train_step, state=(state,),
                 inputs=lambda i: ((Split(batches[i]), rngs), {}))
     check_port(port, n, oracle=not dropout, oracle_metrics=lambda m: m)
+
+
+def _replica_grads(state: TrainState, batch: dict[str, Array]) -> tuple[Any, Metrics]:
+    """One replica's part of ``train_step`` without dropout and without its collectives:
+    the gradients of its own mean loss and its metrics (the ragged test's oracle)."""
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["token_ids"], batch["length"],
+                                deterministic=True)
+        labels = jnp.expand_dims(batch["label"], 1)
+        return jnp.mean(sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)), logits
+    (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return grads, compute_metrics(labels=batch["label"], logits=logits)
+
+
+def test_sst2_ragged_batches_with_dynamic_shapes():
+    """The source's real input: batches of different sizes per replica (5 and 3 sequences),
+    with ``RunOptions(dynamic_shapes=True)``. The backward LSTM's ``flip_sequences`` (a
+    ``vmap`` of ``roll`` by each length) has a clip-mode scatter along the padded batch in
+    its gradient; before, a ``PaddingError`` refused it. Oracle: each replica's gradients
+    by ``jax.jit`` on its own batch, averaged (``pmean``), then applied; the metrics
+    summed, ``count`` the 8 real sequences."""
+    from runtime import PerReplica, RunOptions, replicate
+    model = TextClassifier(embedding_size=8, hidden_size=8, vocab_size=VOCAB, output_size=1,
+                           dropout_rate=0.0, word_dropout_rate=0.0, unk_idx=1)
+    state = jax.jit(lambda k: create_train_state(k, model))(jax.random.key(0))
+    step = replicate(train_step, num_replicas=2, axis_name="batch",
+                     options=RunOptions(dynamic_shapes=True))
+    want_state = state
+    for batch in sst2_batches(steps=2):
+        parts = [{k: v[:5] for k, v in batch.items()}, {k: v[5:8] for k, v in batch.items()}]
+        state, metrics = step(state, PerReplica(parts), {"dropout": jax.random.key(1)})
+        outs = [jax.jit(_replica_grads)(want_state, p) for p in parts]
+        grads = jax.tree.map(lambda a, b: (a + b) / 2, outs[0][0], outs[1][0])
+        want_state = want_state.apply_gradients(grads=grads)
+        np.testing.assert_allclose(np.asarray(metrics.loss), outs[0][1].loss + outs[1][1].loss,
+                                   rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(metrics.accuracy),
+                                      outs[0][1].accuracy + outs[1][1].accuracy)
+        assert int(metrics.count) == 8
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                             rtol=1e-5, atol=1e-6),
+                     state.params, want_state.params)
