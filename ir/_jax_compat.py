@@ -676,6 +676,19 @@ def to_varying(x: Any, axes: str | frozenset) -> Any:
     return jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x
 
 
+from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402
+
+
+def assemble(shape: tuple, sharding: Any, shards: Sequence[Any]) -> Any:
+    """The global array of ``shape`` made of ``shards``: device arrays of one dtype and
+    weak type, one per device of ``sharding`` in its device order, each of its shard's
+    shape (the caller checked all this): ``jax.make_array_from_single_device_arrays``
+    without its checks and rearranging, ~2 us where it costs ~12 (a call's input)."""
+    a = shards[0]
+    aval = _core.ShapedArray(shape, a.dtype, weak_type=a.weak_type)
+    return _ArrayImpl(aval, sharding, list(shards), committed=True, _skip_checks=True)
+
+
 def is_sharding(v: Any) -> bool:
     return isinstance(v, jax.sharding.Sharding)
 

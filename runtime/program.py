@@ -139,6 +139,10 @@ class Layout:
         self.devices_nk = mesh.devices.reshape(num_replicas, logical_devices)
         self.replica_devices = [self.devices_nk[r, 0] for r in range(num_replicas)]
         self.varying_sharding = NamedSharding(mesh, P(REPLICA_AXIS))
+        # one device per replica, in the varying sharding's own device order: its global
+        # arrays can be assembled from the replicas' arrays as they are (``placed_global``)
+        self._assemble_ok = self.devices_nk.shape[1] == 1 and list(
+            self.varying_sharding._internal_device_list) == self.replica_devices
         #: devices of a topology this machine does not have (``rt.tpu_devices``): the step
         #: lowers and compiles for them, as one program seen from one process, and never runs
         self.compile_only = is_compile_only(self.devices_nk.flat[0])
@@ -194,6 +198,22 @@ class Layout:
             gshape = (shape0[0] * n,) + tuple(shape0[1:])
             out.append(jax.make_array_from_single_device_arrays(gshape, self.varying_sharding, shards))
         return out
+
+    def placed_global(self, values: Sequence[Any], shape: tuple, dtype: Any,
+                      weak: bool) -> jax.Array | None:
+        """The global input of one leaf given as one device array per replica (a loader's
+        per-device batches, a step's ``.values``), assembled without a copy when each is
+        of the per-replica ``shape`` (rank >= 1), ``dtype`` and weak type and lies on its
+        replica's one device (one logical device, one process); else ``None`` (the slow
+        path moves and checks them)."""
+        if not self._assemble_ok or not shape:
+            return None
+        for v, d in zip(values, self.replica_devices):
+            if not isinstance(v, jax.Array) or v.shape != shape or v.dtype != dtype or \
+                    v.weak_type != weak or v.sharding.device_set != {d}:
+                return None
+        return jc.assemble((shape[0] * self.num_replicas,) + shape[1:], self.varying_sharding,
+                           values)
 
     @staticmethod
     def host_global(values: Sequence[Any], rank: int) -> np.ndarray:

@@ -302,8 +302,9 @@ class Replicated:
         is a global batch (``distribute``, ``distribute_iterator``, a step's result) with the
         inner structure, per-replica ranks and weak types the program was built for: such
         values are uniform across replicas by construction, and the executable checks the
-        global shapes and dtypes; or a list of host arrays, one per replica, each of the
-        program's per-replica shape and dtype (:meth:`_host_replicas`). ``None`` sends the
+        global shapes and dtypes; or a list of arrays, one per replica (NumPy, or each on
+        its replica's device), each of the program's per-replica signature
+        (:meth:`_replica_arrays`). ``None`` sends the
         call to the slow path (any other per-replica list, which it validates replica by
         replica)."""
         flat: list = []
@@ -314,10 +315,10 @@ class Replicated:
                 return None
             g = pr._global
             if g is None:  # one array per replica
-                host = self._host_replicas(pr, td, sigs[0])
-                if host is None:
+                one = self._replica_arrays(pr, td, sigs[0])
+                if one is None:
                     return None
-                inputs = [host]
+                inputs = [one]
             else:
                 if g[0] != td or pr._n != self.num_replicas:
                     return None
@@ -334,16 +335,21 @@ class Replicated:
         flat.extend(leaves[last:])
         return flat
 
-    def _host_replicas(self, pr: PerReplica, td: Any, sig: tuple) -> Any:
-        """The global input of a per-replica argument given as one host array per replica
-        (``PerReplica([x0, x1, ...])`` of NumPy arrays), when each is exactly the program's
-        per-replica signature ``sig`` (the check the slow path's key makes; NumPy arrays
-        are never weak); else ``None``."""
+    def _replica_arrays(self, pr: PerReplica, td: Any, sig: tuple) -> Any:
+        """The global input of a per-replica argument given as one array per replica
+        (``PerReplica([x0, x1, ...])``), when each is exactly the program's per-replica
+        signature ``sig`` (the check the slow path's key makes): NumPy arrays (never
+        weak), or device arrays each on its replica's device (``Layout.placed_global``);
+        else ``None``."""
         vals = pr._values
         if td != LEAF_TREEDEF or vals is None or len(vals) != self.num_replicas or \
-                self._process_count != 1 or sig[2]:
+                self._process_count != 1:
             return None
         shape, dtype = sig[0], sig[1]
+        if type(vals[0]) is not np.ndarray:
+            return self.layout.placed_global(vals, shape, dtype, bool(sig[2]))
+        if sig[2]:
+            return None
         for v in vals:
             if type(v) is not np.ndarray or v.shape != shape or v.dtype != dtype:
                 return None

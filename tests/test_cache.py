@@ -58,6 +58,42 @@ def test_per_replica_args_hit():
     assert calls["n"] == 1
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_per_replica_device_arrays_take_the_fast_path(monkeypatch, n):
+    """``PerReplica`` of one device array per replica on its replica's device (a loader's
+    per-device batches) skips the key and the checks of the slow path (at 1 replica the
+    slow path cost twice jax.jit's call on CPU); arrays on other devices, of another
+    dtype or shape, or weak, take the slow path, which moves or rejects them. Every call
+    computes each replica's jax.jit result."""
+    step = rt.replicate(lambda w, x: (jnp.tanh(x @ w), jnp.sum(x) * w), num_replicas=n)
+    keys = _count_keys(monkeypatch, step)
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 3)).astype(np.float32)
+    devs = jax.devices()[:n]
+    xs = [rng.normal(size=(2, 3)).astype(np.float32) for _ in range(n)]
+
+    def check(arg, xs):
+        h, s = step(w, rt.PerReplica(arg))
+        for r in range(n):
+            np.testing.assert_allclose(np.asarray(h.values[r]), np.tanh(xs[r] @ w), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(s.values[0]), np.sum(xs[0]) * w, rtol=1e-5)
+    check([jax.device_put(x, d) for x, d in zip(xs, devs)], xs)
+    assert len(keys) == 1
+    for _ in range(2):
+        xs = [rng.normal(size=(2, 3)).astype(np.float32) for _ in range(n)]
+        check([jax.device_put(x, d) for x, d in zip(xs, devs)], xs)
+    assert len(keys) == 1 and step.cache_info()[:2] == (2, 1)
+    check([jax.device_put(x, d) for x, d in zip(xs, devs[::-1] if n > 1 else jax.devices()[1:2])],
+          xs)  # placed elsewhere: moved by the slow path
+    assert len(keys) == 2
+    xs = [np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in xs]
+    check([jnp.asarray(x) for x in xs], xs)  # uncommitted, on device 0: fast at 1 replica
+    assert len(keys) == (2 if n == 1 else 3)
+    xs = [x[:1] for x in xs]  # another shape: the slow path, a program of its own
+    check([jax.device_put(x, d) for x, d in zip(xs, devs)], xs)
+    assert len(keys) == (3 if n == 1 else 4) and step.cache_info().misses == 2
+
+
 @pytest.mark.parametrize("second", [
     pytest.param(lambda: (np.ones((4, 3), np.float32), 1.0), id="shape"),
     pytest.param(lambda: (np.ones((2, 3), np.int32), 1.0), id="dtype"),
