@@ -1027,6 +1027,24 @@ def test_new_exact_sizes_of_device_arrays_compile_nothing():
     assert step.cache_info().misses == 1
 
 
+@pytest.mark.parametrize("where", ["own devices", "device 0"])
+def test_device_arrays_of_the_buckets_shape_run_as_they_are(where):
+    """Device arrays of exactly the bucket's shape need no padding: on their replicas'
+    devices they are assembled into the global input as they are, on another device they
+    are moved there; each replica's results are jax.jit's on its array either way."""
+    step = rt.replicate(lambda x: (jnp.cumsum(x, axis=0) * 2, jnp.sum(x)), num_replicas=2,
+                        options=rt.RunOptions(dynamic_shapes=True))
+    rng = np.random.default_rng(3)
+    devs = jax.devices()[:2] if where == "own devices" else [jax.devices()[0]] * 2
+    for _ in range(2):
+        xs = [jax.device_put(rng.normal(size=(16, 3)).astype(np.float32), d) for d in devs]
+        cum, tot = step(rt.PerReplica(xs))
+        for r, x in enumerate(xs):
+            np.testing.assert_allclose(cum.values[r], np.cumsum(np.asarray(x), 0) * 2, rtol=1e-5)
+            np.testing.assert_allclose(tot.values[r], np.asarray(x).sum(), rtol=1e-5)
+    assert step.cache_info().misses == 1
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_, np.float64])
 def test_host_put_matches_device_put(dtype):
     """The dynamic path sends its host buffers with ``HostPut``: the same values and
