@@ -2137,10 +2137,10 @@ _DIM_VALUE_AXES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 
 def _install_per_replica_dim_values() -> None:
     """Wrap ``shape_poly._dim_as_value`` (every size-to-value conversion goes through it),
-    ``parallel._psum`` (whose constant case would multiply a bare size by N without
-    converting it) and ``parallel.insert_collective_pvary`` (the other collectives' cast
-    of their operand, which would take a bare size for an invariant value); idempotent,
-    and JAX's own behaviour while the context is off."""
+    the type of a bare size, ``parallel._psum`` (whose constant case would multiply a bare
+    size by N without converting it) and ``parallel.insert_collective_pvary`` (the other
+    collectives' cast of their operand, which would take a bare size for an invariant
+    value); idempotent, and JAX's own behaviour while the context is off."""
     from jax._src.export import shape_poly
     from jax._src.lax import parallel
 
@@ -2148,10 +2148,17 @@ def _install_per_replica_dim_values() -> None:
     if getattr(orig_value, "_replicate_hlo", False):
         return
 
+    def axes_here() -> frozenset | None:  # (the replica axis, where the mesh has it)
+        axes = _DIM_VALUE_AXES.get()
+        if axes is None:
+            return None
+        axes = frozenset(axes) & _mesh_axis_names()
+        return axes or None
+
     def dim_as_value(dim):
         out = orig_value(dim)
-        axes = _DIM_VALUE_AXES.get()
-        return out if axes is None else to_varying(out, frozenset(axes))
+        axes = axes_here()
+        return out if axes is None else to_varying(out, axes)
 
     def as_values(x):
         if _DIM_VALUE_AXES.get() is None:
@@ -2167,10 +2174,72 @@ def _install_per_replica_dim_values() -> None:
         # type a bare size invariant, then cast a value that already varies)
         return orig_pvary(axis_name, as_values(x))
 
+    # the type JAX gives a bare size (``jax.typeof(b)``): what a ``jax.jit``-ed function
+    # (``jnp.maximum(b, 1)``) is traced for, whose result would stay invariant
+    orig_aval = _core.pytype_aval_mappings[shape_poly._DimExpr]
+
+    def dim_aval(dim):
+        aval = orig_aval(dim)
+        axes = axes_here()
+        if axes is None:
+            return aval
+        # (JAX's has no mesh: a scalar of the current one, varying over the axis)
+        return _varying_aval(aval.update(sharding=_core.get_cur_mesh_sharding()), axes)
+
     for f in (dim_as_value, psum, insert_collective_pvary):
         f._replicate_hlo = True
     shape_poly._dim_as_value, parallel._psum = dim_as_value, psum
     parallel.insert_collective_pvary = insert_collective_pvary
+    _core.pytype_aval_mappings[shape_poly._DimExpr] = dim_aval
+
+
+# The same holds of any value whose shape a primitive makes from a size rather than from
+# its operands' shapes: ``jnp.ones(b)``, ``jnp.arange(b)``, ``broadcast_to(w, (b, d))``,
+# ``w[b % 3]`` (a slice at a symbolic start), ``dynamic_slice(table, i, b)``: JAX types it
+# as its operands (invariant, for a mirrored weight or a constant), yet each replica's
+# holds its own number of rows, so ``jnp.ones(b).sum() * w`` summed the gradient over the
+# replicas before multiplying it by each replica's own count (each replica got a wrong
+# gradient of its own, no error). Such a primitive's array operands are cast to varying
+# first: its result varies, and a gradient's sum comes where the operand (of a static
+# shape) meets it, as for any per-replica use of a mirrored value.
+_SIZE_PARAMS = ("broadcast_in_dim", "iota", "reshape", "dynamic_slice", "gather", "slice",
+                "pad", "split", "random_bits", "rng_bit_generator", "top_k",
+                "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+                "conv_general_dilated", "select_and_scatter_add", "select_and_gather_add")
+
+
+def _mentions_size(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return any(_mentions_size(u) for u in v)
+    return is_symbolic_dim(v)
+
+
+def _install_per_replica_shapes() -> None:
+    from jax._src.lax import lax as jlax
+    from jax._src.lax import slicing, windowed_reductions, convolution
+    try:
+        from jax._src.random import prng
+    except ImportError:  # pragma: no cover - moved
+        from jax._src import prng
+    mods = (jlax, slicing, windowed_reductions, convolution, prng)
+    for name in _SIZE_PARAMS:
+        prim = next((getattr(m, f"{name}_p") for m in mods if hasattr(m, f"{name}_p")), None)
+        if prim is None:
+            continue
+
+        def bind(orig, *args, _prim=prim, **params):
+            axes = _DIM_VALUE_AXES.get()
+            if axes is not None and any(_mentions_size(v) for v in params.values()):
+                axes = frozenset(axes)
+                args = [to_varying(a, axes) if isinstance(a, (_core.Tracer, jax.Array))
+                        else a for a in args]
+                out = orig(*args, **params)
+                if not args:  # (``iota``: nothing to cast but its result)
+                    out = [to_varying(o, axes) for o in out] if _prim.multiple_results \
+                        else to_varying(out, axes)
+                return out
+            return orig(*args, **params)
+        _wrap_bind(prim, bind)
 
 
 @contextlib.contextmanager
@@ -2178,6 +2247,7 @@ def per_replica_dim_values(axis_name: str):
     """While a step with symbolic sizes is traced over the replica axis ``axis_name``:
     the values of its sizes vary over that axis (see above)."""
     _install_per_replica_dim_values()
+    _install_per_replica_shapes()
     token = _DIM_VALUE_AXES.set((axis_name,))
     try:
         yield

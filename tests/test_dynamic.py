@@ -584,6 +584,43 @@ def test_collective_of_a_dynamic_size_sums_the_replicas_sizes(case):
     np.testing.assert_allclose(np.asarray(got), want)
 
 
+_SIZE_LOSSES = {
+    "maximum": lambda w, x: jnp.sum(x @ w) + jnp.maximum(x.shape[0], 1) * jnp.sum(w ** 2),
+    "ones_sum": lambda w, x: jnp.sum(x @ w) + jnp.ones(x.shape[0]).sum() * jnp.sum(w ** 2),
+    "arange_sum": lambda w, x: jnp.sum(x @ w) * jnp.arange(x.shape[0]).sum(),
+    "broadcast": lambda w, x: jnp.sum(x @ jnp.broadcast_to(w, (x.shape[0], 3)).sum(0)),
+    "take_at_size": lambda w, x: jnp.sum(x * jnp.take(w, x.shape[0] % 3)),
+    "where_on_count": lambda w, x: jnp.sum(
+        x @ jnp.where(jnp.ones(x.shape[0]).sum() > 4, w * 2, w * 3)),
+    "cond_on_size": lambda w, x: jnp.sum(
+        x @ lax.cond(jnp.asarray(x.shape[0]) > 4, lambda: w * 2, lambda: w * 3)),
+    "slice_at_size": lambda w, x: jnp.sum(
+        lax.dynamic_slice_in_dim(jnp.tile(w, 4), x.shape[0], 3) * x),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SIZE_LOSSES))
+def test_gradient_through_a_value_made_from_a_size(case):
+    """A value computed from a dynamic size (``jnp.maximum(b, 1)``, ``jnp.ones(b).sum()``,
+    ``broadcast_to(w, (b, 3))``, ``w[b % 3]``, a cond on ``b > 4``) is each replica's
+    own: the mirrored weight's gradient is the sum of each replica's own gradient (oracle:
+    jax.jit on each replica's unpadded rows). Before, JAX typed such values like their
+    operands (the same on every replica): the gradient was summed over the replicas
+    before it met each replica's own size (a gradient per replica, each wrong, no error),
+    a cond on the size raised a DivergentCollectiveError, and a slice starting at the
+    size failed inside JAX (found by a probe)."""
+    loss = _SIZE_LOSSES[case]
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(size=(n, 3)).astype(np.float32) for n in (5, 3)]
+    w = np.asarray([0.3, -0.2, 0.5], np.float32)
+    step = rt.replicate(jax.grad(loss), num_replicas=2, loss_reduction="sum",
+                        options=rt.RunOptions(dynamic_shapes=True))
+    got = step(w, rt.PerReplica(xs))
+    assert not isinstance(got, rt.PerReplica), got
+    want = sum(np.asarray(jax.jit(jax.grad(loss))(w, x)) for x in xs)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["grad_of_roll", "vmapped_add"])
 def test_scatter_along_a_batching_dim_of_padded_rows_equals_jit(case):
     """A scatter whose padded rows run along a batching dim (``jax.vmap``'s) lands them in
@@ -857,7 +894,10 @@ def test_scatter_of_a_padded_window_onto_a_static_axis_equals_jit(monkeypatch, n
 
 def test_golden_deferred_gradient_all_reduce():
     """The embedding's gradient all-reduce runs on the table's static gradient after the
-    scatter (f32[8,2]), not on the padded per-position one."""
+    scatter (f32[8,2]), not on the padded per-position one: the rows read at a dynamic
+    length are each replica's own, so the table is cast to varying where it is read, and
+    its gradient summed there, from the trace on (before: a mirrored f32[b<=8,2] sum that
+    the padding pass had to defer past the scatter)."""
     def step(wpe, x):
         return jax.grad(lambda e: jnp.sum(jnp.tanh(x + jnp.take(e, jnp.arange(x.shape[0]),
                                                                 axis=0))))(wpe)
@@ -868,37 +908,45 @@ def test_golden_deferred_gradient_all_reduce():
     text = _check_golden("padding_deferred_all_reduce.txt", lowered, ("cross-replica-sum",
                                                                       "padding"))
     before, after = text.split("// padding")
-    assert "f32[b<=8,2] mirrored = all_reduce(" in before
+    assert "mirrored = all_reduce(" in before and "b<=8,2] mirrored" not in before
+    assert "f32[8,2] mirrored = all_reduce(" in before
     assert "f32[8,2] mirrored = all_reduce(" in after and "f32[8,2] varying = scatter-add" in after
 
 
 def _grad_of_position(p, x):
-    """The gradient with respect to a mirrored value with a padded dim: all-reduced (the
-    mean over replicas), so it can only be used linearly until its dims are static."""
+    """The gradient with respect to the table's first ``t`` rows, ``t`` a dynamic size:
+    each replica's own rows (its own number of them), so a per-replica value whose
+    gradient is the replica's own, as for any per-replica value."""
     return jax.grad(lambda e: jnp.sum(jnp.tanh(x + e)))(jnp.take(p, jnp.arange(x.shape[0]),
                                                                  axis=0))
 
 
-@pytest.mark.parametrize("f,why", [
-    (lambda p, x: jnp.sum(_grad_of_position(p, x) ** 2),
-     r"integer_pow at test_dynamic.py:\d+ is not known to be linear in it"),
-    (lambda p, x: jnp.sum(_grad_of_position(p, x) * x),
-     r"mul at test_dynamic.py:\d+ combines it with a value that differs between replicas"),
-    (_grad_of_position, r"the value is a result of the step before its dims are static"),
-])
-def test_deferred_gradient_all_reduce_used_otherwise_is_a_clear_error(f, why):
+@pytest.mark.parametrize("f", [
+    lambda p, x: jnp.sum(_grad_of_position(p, x) ** 2),
+    lambda p, x: jnp.sum(_grad_of_position(p, x) * x),
+    lambda p, x: jnp.sum(_grad_of_position(p, x) * 2.0),
+    _grad_of_position,
+], ids=["squared", "times_x", "linear", "returned"])
+def test_gradient_of_a_value_with_a_dynamic_dim_is_each_replicas_own(f):
+    """``jnp.take(p, jnp.arange(t))`` of a mirrored table holds each replica's own number
+    of rows: a per-replica value, whose gradient is each replica's own (oracle: jax.jit on
+    the replica's unpadded data), used in any way. Before, it was taken for a mirrored
+    value: its gradient was the mean over the replicas of their padded gradients, which
+    could only be used linearly (anything else was an error) and was no replica's own."""
     step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
         dynamic_shapes=True, dynamic_dims={1: (0,)}, maximum_shapes=[None, (8, None)]))
-    with pytest.raises(ValueError, match=r"padding: the gradient all-reduce at test_dynamic.py:"
-                                         r"\d+ \[transpose\(jvp\(\)\)\] sums a value .*" + why):
-        step(np.ones((8, 4), np.float32),
-             rt.PerReplica([np.ones((5, 4), np.float32), np.ones((3, 4), np.float32)]))
+    rng = np.random.default_rng(17)
+    p = rng.normal(size=(8, 4)).astype(np.float32)
+    xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in (5, 3)]
+    got = step(p, rt.PerReplica(xs))
+    for g, x in zip(got.values, xs):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(jax.jit(f)(p, x)), rtol=1e-5)
 
 
-def test_deferred_gradient_all_reduce_leaving_a_region_is_a_clear_error():
-    """Checkpointed so that the region's output is the position gradient itself (the
-    scatter into the table is outside it): refused where the region ends (an obscure
-    TypeError in lowering, without that check)."""
+def test_gradient_of_a_table_read_at_a_dynamic_length_through_a_checkpoint():
+    """A positional table read at ``arange(t)`` inside a ``jax.checkpoint``: its gradient is
+    the mean over replicas of each replica's own (the scatter of its ``t`` rows), summed
+    where the table meets the replicas' data (before: refused where the region ended)."""
     def f(p, x):
         def inner(pe, x):
             return jnp.tanh((x + pe) @ p["w"])
@@ -906,24 +954,15 @@ def test_deferred_gradient_all_reduce_leaving_a_region_is_a_clear_error():
             jnp.take(p["wpe"], jnp.arange(x.shape[1]), axis=0), x) ** 2))(p)
     step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
         dynamic_shapes=True, dynamic_dims={1: (1,)}, maximum_shapes=[None, (None, 8, None)]))
-    p = {"wpe": np.ones((8, 4), np.float32), "w": np.ones((4, 4), np.float32)}
-    with pytest.raises(ValueError, match=r"the gradient all-reduce at test_dynamic.py:\d+ sums a "
-                                         r"value of type f32\[d1<=8,4\] mirrored.*leaves the "
-                                         r"region of a cond, while, scan or checkpoint"):
-        step(p, rt.PerReplica([np.ones((2, 5, 4), np.float32), np.ones((2, 3, 4), np.float32)]))
-
-
-def test_deferred_gradient_all_reduce_used_linearly_is_exact():
-    """Scaled and summed (linear) before its dims are static: the mean over replicas of
-    each replica's own sum."""
-    f = lambda p, x: jnp.sum(_grad_of_position(p, x) * 2.0)  # noqa: E731
-    step = rt.replicate(f, num_replicas=2, options=rt.RunOptions(
-        dynamic_shapes=True, dynamic_dims={1: (0,)}, maximum_shapes=[None, (8, None)]))
-    rng = np.random.default_rng(17)
-    p = rng.normal(size=(8, 4)).astype(np.float32)
-    xs = [rng.normal(size=(t, 4)).astype(np.float32) for t in (5, 3)]
-    want = np.mean([jax.jit(f)(p, x) for x in xs])
-    np.testing.assert_allclose(step(p, rt.PerReplica(xs)), want, rtol=1e-5)
+    rng = np.random.default_rng(5)
+    p = {"wpe": rng.normal(size=(8, 4)).astype(np.float32),
+         "w": rng.normal(size=(4, 4)).astype(np.float32)}
+    xs = [rng.normal(size=(2, t, 4)).astype(np.float32) for t in (5, 3)]
+    got = step(p, rt.PerReplica(xs))
+    want = [jax.jit(f)(p, x) for x in xs]
+    for k in p:
+        np.testing.assert_allclose(np.asarray(got[k]), (want[0][k] + want[1][k]) / 2,
+                                   rtol=1e-5, atol=1e-6)
 
 
 # -- two dynamic dims (batch and sequence) ---------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 
 from ir.graph import Graph, Op, RegionMemo, Value
 from ir.ops import PLAIN_CALLS
-from ir.types import Replica
+from ir.types import Replica, SymDim
 
 V, M = Replica.VARYING, Replica.MIRRORED
 
@@ -126,6 +126,8 @@ def _annotate(graph: Graph, in_reps: list[Replica],
             out_reps = rule(reps, op)
         results = []
         for r, o in zip(op.results, out_reps):
+            if o is M and (op.name == "dim_as_value" or _sized(r)):
+                o = V  # (each replica's own size: see ``_sized``)
             rep[r] = o
             nv = Value(r.type.with_replica(o))
             new_vals[r] = nv
@@ -134,6 +136,16 @@ def _annotate(graph: Graph, in_reps: list[Replica],
                                   tuple(regions)))
     outs = tuple(new_vals[v] for v in graph.outputs)
     return Graph(tuple(inputs), tuple(ops), outs, graph.name), [rep[v] for v in graph.outputs]
+
+
+def _sized(v: Value) -> bool:
+    """Is ``v``'s shape made of a dynamic size (``b``: ``RunOptions(dynamic_shapes=True)``)?
+    Each replica holds its own real size, so such a value, and a size's value
+    (``dim_as_value``), differ between replicas whatever they are computed from:
+    ``jnp.ones(b).sum()`` is 5 on one replica and 3 on another, and a cond on
+    ``b > 4`` takes a branch per replica (typed mirrored, its gradient sums were taken for
+    those of a mirrored index and never moved out of the branches)."""
+    return any(isinstance(d, SymDim) for d in v.type.shape)
 
 
 def _fixpoint(run: Callable[[list[Replica]], tuple[list[Graph], list[Replica]]],
