@@ -125,6 +125,14 @@ def _model_axes() -> bool:
     return any(a != REPLICA_AXIS and n > 1 for a, n in zip(mesh.axis_names, mesh.axis_sizes))
 
 
+@rule("reduce_scatter")
+def _reduce_scatter(op: Op, args: list[Any]) -> list[Any]:
+    """A reduce-scatter (``psum_scatter``, the gradient of an ``all_gather``) as JAX binds
+    it, in float32 for a 16-bit float on CPU (``_widened``: XLA:CPU's promotion of a
+    bfloat16 one aborted the process under K > 1 logical devices)."""
+    return _widened(lambda xs, _axes: _bind(op, list(xs)), args, None)
+
+
 @rule("reduce_max", "reduce_min")
 def _reduce_extremum(op: Op, args: list[Any]) -> list[Any]:
     """``jnp.max``/``jnp.min``: over K > 1 logical devices, NaN kept (:func:`_nan_kept`:

@@ -441,3 +441,28 @@ def test_max_and_min_over_a_split_dim_keep_nan(k):
     for r, xr in enumerate([x, x[::-1]]):
         for g, w in zip(got, jax.jit(f)(xr)):
             np.testing.assert_array_equal(np.asarray(g.values[r]), np.asarray(w))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("case", ["psum_scatter", "grad_of_all_gather"])
+def test_bfloat16_reduce_scatter_with_logical_devices(case, k):
+    """A bfloat16 reduce-scatter (``rt.psum_scatter``, or the gradient of an
+    ``rt.all_gather``) with K > 1 logical devices: the numbers ``jax.pmap`` gives (before:
+    XLA:CPU aborted the whole process while compiling it, its promotion to float32 unable
+    to clone a reducer holding the partly manual mesh's sharding constraint; found by a
+    probe). Oracle: jax.pmap of the same per-replica code."""
+    from jax import lax
+    bf16 = jnp.bfloat16
+    x = np.arange(8, dtype=np.float32) * 0.75
+    if case == "psum_scatter":
+        f = lambda x: rt.psum_scatter(x.astype(bf16), scatter_dimension=0).astype(jnp.float32)  # noqa: E731
+        ref = lambda x: lax.psum_scatter(x.astype(bf16), "i", tiled=True).astype(jnp.float32)  # noqa: E731
+    else:
+        f = lambda x: jax.grad(lambda v: jnp.sum(rt.all_gather(v.astype(bf16), axis=0)  # noqa: E731
+                                                  .astype(jnp.float32) ** 2))(x)
+        ref = lambda x: jax.grad(lambda v: jnp.sum(lax.all_gather(  # noqa: E731
+            v.astype(bf16), "i", tiled=True).astype(jnp.float32) ** 2))(x)
+    got = rt.replicate(f, num_replicas=2, logical_devices=k)(rt.distribute(x, 2))
+    want = jax.pmap(ref, axis_name="i", devices=jax.devices()[:2])(x.reshape(2, 4))
+    for r in range(2):
+        np.testing.assert_allclose(np.asarray(got.values[r]), np.asarray(want[r]), rtol=1e-6)
