@@ -621,6 +621,31 @@ def test_gradient_through_a_value_made_from_a_size(case):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
+_SIZE_IN_REGIONS = {
+    "while_cond": lambda x: lax.while_loop(lambda c: c[0] < x.shape[0],
+                                           lambda c: (c[0] + 1, c[1] * 2.0), (0, 1.0))[1],
+    "while_cond_array": lambda x: lax.while_loop(
+        lambda c: c[0] < jnp.asarray(x.shape[0]), lambda c: (c[0] + 1, c[1] + 1.5), (0, 0.0))[1],
+    "fori_body": lambda x: lax.fori_loop(0, 3, lambda i, c: c + x.shape[0] * i, 0.0),
+    "cond_branch": lambda x: lax.cond(jnp.sum(x) > 0, lambda: x.shape[0] * 2.0,
+                                      lambda: x.shape[0] * 3.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SIZE_IN_REGIONS))
+def test_a_size_used_inside_a_loop_or_branch(case):
+    """A size used as a number inside a region whose values are all scalars (a while
+    loop's condition ``i < x.shape[0]``): the region gets the real sizes as the others do
+    (before: JAX's ``UnexpectedDimVar`` when the step was lowered; found by a probe).
+    Oracle: jax.jit on each replica's unpadded rows."""
+    f = _SIZE_IN_REGIONS[case]
+    xs = [np.ones((5, 3), np.float32), -np.ones((3, 3), np.float32)]
+    got = rt.replicate(f, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))(
+        rt.PerReplica(xs))
+    for g, x in zip(got.values, xs):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(jax.jit(f)(x)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["grad_of_roll", "vmapped_add"])
 def test_scatter_along_a_batching_dim_of_padded_rows_equals_jit(case):
     """A scatter whose padded rows run along a batching dim (``jax.vmap``'s) lands them in

@@ -274,9 +274,13 @@ def _has_sym(t: TensorType) -> bool:
 
 
 def _region_has_sym(g: Graph) -> bool:
+    """Does ``g`` (regions included) hold a dynamic dim, or use a size as a number
+    (``dim_as_value``: a while loop's condition ``i < x.shape[0]``, whose values are all
+    scalars)?"""
     if any(_has_sym(v.type) for v in g.inputs + g.outputs):
         return True
-    return any(_has_sym(r.type) for op, _ in g.walk() for r in op.results + op.operands)
+    return any(op.name == "dim_as_value" or any(_has_sym(r.type) for r in op.results + op.operands)
+               for op, _ in g.walk())
 
 
 @dataclass(frozen=True)
