@@ -558,7 +558,7 @@ def install_layout_hook() -> None:
 def _wrap_bind(prim: Any, bind: Any) -> None:
     """Route ``prim.bind`` through ``bind(orig_bind, *args, **params)`` (once: a primitive
     already wrapped is left as it is)."""
-    if getattr(prim.bind, "_replicate_hlo", False):
+    if getattr(vars(prim).get("bind"), "_replicate_hlo", False):  # (its own, not the class's)
         return
     orig = prim.bind
 
@@ -1182,11 +1182,28 @@ def _install_varying_promotion() -> None:
     # a loop's carry takes the union of what varies in and out: the initial carry is cast
     # (mirrored in, per-replica out: ``h = 0; h = f(h, x_r)``), and so is the body's carry
     # out (per-replica in, mirrored out: pmap code's ``v = pmean(v) + 1``)
+    # and a loop whose condition varies (each replica its own trip count: ``i < n_r``, a
+    # fori_loop to a per-replica bound or a dynamic size) has per-replica results, though
+    # JAX types them by the carry alone (as a cond's by its branches): a mirrored
+    # ``count`` multiplying a mirrored weight summed its gradient over the replicas
+    # before the count met it. The results are cast to the condition's varying axes.
     def while_loop(cond_fun, body_fun, init_val):
-        return _to_fixed_point(
+        pred_axes: list[frozenset] = []
+
+        def cond(carry):
+            pred = cond_fun(carry)
+            try:
+                pred_axes.append(varying_axes(jax.typeof(pred)))
+            except TypeError:  # (a Python bool: the same everywhere)
+                pass
+            return pred
+        out = _to_fixed_point(
             lambda axes: (body_fun if axes is None else _cast_branch(body_fun, axes),),
             lambda fns, axes: orig["while_loop"](
-                cond_fun, fns[0], init_val if axes is None else _cast_tree(init_val, axes)))
+                cond, fns[0], init_val if axes is None else _cast_tree(init_val, axes)))
+        if pred_axes and pred_axes[-1]:
+            out = jax.tree.map(lambda v: to_varying(v, pred_axes[-1]), out)
+        return out
 
     def scan(f, init, *args, **kwargs):
         return _to_fixed_point(
@@ -1841,7 +1858,9 @@ def _install_idempotent_pvary() -> None:
     state = _grad_mode_state()
 
     def bind(orig, x, *, axes, **params):
-        if state.value != "off" and isinstance(axes, tuple):
+        # (also wherever sizes are per replica: a zero made to a size is varying already)
+        if (state.value != "off" or _DIM_VALUE_AXES.get() is not None) and \
+                isinstance(axes, tuple):
             have = varying_axes(jax.typeof(x))
             if have.intersection(axes):
                 axes = tuple(a for a in axes if a not in have)
@@ -2202,12 +2221,6 @@ def _install_per_replica_dim_values() -> None:
 # gradient of its own, no error). Such a primitive's array operands are cast to varying
 # first: its result varies, and a gradient's sum comes where the operand (of a static
 # shape) meets it, as for any per-replica use of a mirrored value.
-_SIZE_PARAMS = ("broadcast_in_dim", "iota", "reshape", "dynamic_slice", "gather", "slice",
-                "pad", "split", "random_bits", "rng_bit_generator", "top_k",
-                "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
-                "conv_general_dilated", "select_and_scatter_add", "select_and_gather_add")
-
-
 def _mentions_size(v: Any) -> bool:
     if isinstance(v, (tuple, list)):
         return any(_mentions_size(u) for u in v)
@@ -2215,31 +2228,32 @@ def _mentions_size(v: Any) -> bool:
 
 
 def _install_per_replica_shapes() -> None:
-    from jax._src.lax import lax as jlax
-    from jax._src.lax import slicing, windowed_reductions, convolution
-    try:
-        from jax._src.random import prng
-    except ImportError:  # pragma: no cover - moved
-        from jax._src import prng
-    mods = (jlax, slicing, windowed_reductions, convolution, prng)
-    for name in _SIZE_PARAMS:
-        prim = next((getattr(m, f"{name}_p") for m in mods if hasattr(m, f"{name}_p")), None)
-        if prim is None:
-            continue
+    """Route ``Primitive.bind`` (the class's: every primitive that does not define its
+    own, which only call-like ones do) through the cast above while the context is on;
+    one context-variable read per bind otherwise (idempotent)."""
+    orig = _core.Primitive.bind
+    if getattr(orig, "_replicate_hlo", False):
+        return
 
-        def bind(orig, *args, _prim=prim, **params):
-            axes = _DIM_VALUE_AXES.get()
-            if axes is not None and any(_mentions_size(v) for v in params.values()):
-                axes = frozenset(axes)
-                args = [to_varying(a, axes) if isinstance(a, (_core.Tracer, jax.Array))
-                        else a for a in args]
-                out = orig(*args, **params)
-                if not args:  # (``iota``: nothing to cast but its result)
-                    out = [to_varying(o, axes) for o in out] if _prim.multiple_results \
-                        else to_varying(out, axes)
-                return out
-            return orig(*args, **params)
-        _wrap_bind(prim, bind)
+    def bind(self, *args, **params):
+        axes = _DIM_VALUE_AXES.get()
+        if axes is None or not any(_mentions_size(v) for v in params.values()) or any(
+                isinstance(v, (_core.Jaxpr, _core.ClosedJaxpr)) for v in params.values()):
+            return orig(self, *args, **params)  # (loops, calls: their bodies are typed)
+        axes = frozenset(axes) & _mesh_axis_names()
+        if not axes:
+            return orig(self, *args, **params)
+        traced = any(isinstance(a, _core.Tracer) for a in args)
+        if traced:  # (constants too: a table sliced at a traced start)
+            args = [to_varying(a, axes) if isinstance(a, (_core.Tracer, jax.Array, np.ndarray))
+                    else a for a in args]
+        out = orig(self, *args, **params)
+        if not traced:  # (``iota``, a broadcast constant: nothing to cast but the result)
+            out = [to_varying(o, axes) for o in out] if self.multiple_results \
+                else to_varying(out, axes)
+        return out
+    bind._replicate_hlo = True
+    _core.Primitive.bind = bind
 
 
 @contextlib.contextmanager
@@ -2248,6 +2262,7 @@ def per_replica_dim_values(axis_name: str):
     the values of its sizes vary over that axis (see above)."""
     _install_per_replica_dim_values()
     _install_per_replica_shapes()
+    _install_idempotent_pvary()  # (JAX's own casts of what is varying already)
     token = _DIM_VALUE_AXES.set((axis_name,))
     try:
         yield

@@ -596,6 +596,11 @@ _SIZE_LOSSES = {
         x @ lax.cond(jnp.asarray(x.shape[0]) > 4, lambda: w * 2, lambda: w * 3)),
     "slice_at_size": lambda w, x: jnp.sum(
         lax.dynamic_slice_in_dim(jnp.tile(w, 4), x.shape[0], 3) * x),
+    "tile_to_size": lambda w, x: jnp.sum(jnp.tanh(jnp.tile(w, (x.shape[0], 1)) + x) ** 2),
+    "constant_broadcast": lambda w, x: jnp.sum(x @ w) * lax.broadcast_in_dim(
+        2.0, (x.shape[0],), ()).sum(),
+    "fori_to_size": lambda w, x: jnp.sum(x @ (w * lax.fori_loop(0, x.shape[0],
+                                                                 lambda i, c: c + 1.0, 0.0))),
 }
 
 

@@ -392,6 +392,31 @@ def test_custom_gradient_of_a_mirrored_weight_is_reduced_over_replicas(name, red
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["while", "fori"])
+def test_a_loop_whose_trip_count_differs_between_replicas(kind):
+    """A ``while_loop``/``fori_loop`` whose condition reads per-replica data runs a
+    different number of times on each replica: its results are per-replica though its
+    carry starts mirrored, so a mirrored weight scaled by the count gets the sum of each
+    replica's own gradient (before: JAX typed the count by its carry, mirrored, and the
+    weight's gradient was summed over the replicas before the count met it: each replica
+    got its own wrong gradient, no error; found by a probe). Oracle: the sum of each
+    replica's jax.jit gradient (loss_reduction="sum")."""
+    def count(x):
+        if kind == "while":
+            return lax.while_loop(lambda c: c < jnp.sum(x), lambda c: c + 1.0, 0.0)
+        return lax.fori_loop(0, jnp.sum(x).astype(jnp.int32), lambda i, c: c + 1.0, 0.0)
+
+    def loss(w, x):
+        return jnp.sum(x @ (w * count(x)))
+    xs = [np.full((4, 3), v, np.float32) for v in (0.5, 1.0)]
+    w = np.asarray([0.3, -0.2, 0.5], np.float32)
+    got = rt.replicate(jax.grad(loss), num_replicas=2, loss_reduction="sum")(
+        w, rt.PerReplica(xs))
+    assert not isinstance(got, rt.PerReplica), got
+    want = sum(np.asarray(jax.jit(jax.grad(loss))(w, x)) for x in xs)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["cond", "cond_int", "switch"])
 def test_gradient_through_a_per_example_branch_under_vmap(kind):
     """``jax.grad`` through ``jax.vmap`` of a ``lax.cond``/``switch`` whose index is per
