@@ -970,6 +970,19 @@ _PER_REPLICA_CONDS = {  # name: f(w, x) with a branch chosen per replica on the 
     # gathered at constant indices each branch's closure passes separately
     "cond_gathered": lambda w, x: lax.cond(x[0, 0] > 0, lambda v: v[jnp.array([2, 0, 1])],
                                            lambda v: v[jnp.array([2, 0, 1])] * .5, w) * x,
+    # a per-replica value (from an earlier cond, a scan's carry, the data) as the operand
+    # and the weight closed over: the transposed branch sums its cotangent for the weight
+    # and passes the same cotangent on to the operand; that pass-on is no sum (before: it
+    # was taken for one, a DivergentCollectiveError; found by a probe)
+    "two_conds_in_a_row": lambda w, x: lax.cond(
+        x[0, 1] > 0, lambda c: c * 1.1 + w, jnp.sin,
+        lax.cond(x[0, 0] > 0, lambda c: c * 1.1 + w, jnp.sin, w)) * x,
+    "cond_in_a_scan": lambda w, x: lax.scan(
+        lambda c, xi: (lax.cond(xi > 0, lambda c: c * 1.1 + w, jnp.sin, c), None),
+        w, x[0])[0] * x,
+    "cond_on_data_and_weight": lambda w, x: lax.cond(
+        x[0, 0] > 0, lambda c: c * 1.1 + w, lambda c: jnp.zeros_like(c) + 2.0,
+        jnp.tanh(x[0] * w)) * x,
 }
 
 
@@ -991,9 +1004,9 @@ def test_a_branch_chosen_per_replica_on_mirrored_weights(name):
         w, rt.distribute(x, n))
     want = jax.pmap(lambda x: lax.psum(jax.grad(loss)(w, x), "i"), axis_name="i",
                     devices=jax.devices()[:n])(x[:, None])[0]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(want), sum(jax.grad(loss)(w, x[r:r + 1])
-                                                     for r in range(n)), rtol=1e-6)
+                                                     for r in range(n)), rtol=1e-5)
     out = rt.replicate(f, num_replicas=n)(w, rt.distribute(x, n))
     assert isinstance(out, rt.PerReplica)
     for r in range(n):

@@ -39,6 +39,7 @@ that leaves this pass out fails instead of hanging.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, field
 
@@ -226,6 +227,8 @@ class _Lifter:
     def lift(self, region: Graph, partial_inputs: set[int]) -> tuple[Graph, set[int]]:
         region = _inline_calls(region)
         producers = region.producers()
+        uses = collections.Counter(v for o in region.ops for v in o.operands)
+        uses.update(region.outputs)
         owing = {v for i, v in enumerate(region.inputs) if i in partial_inputs}
         rw = Rewriter(region, input_types=lambda v: _partial(v).type if v in owing else v.type)
         partial: set[Value] = {rw.get(v) for v in owing}
@@ -233,7 +236,8 @@ class _Lifter:
             ins = [rw.get(v) for v in op.operands]
             reads = [v in partial for v in ins]
             if is_collective(op):
-                self._strip(op, ins, reads, rw, partial)
+                self._strip(op, ins, reads, rw, partial,
+                            shared=[uses[v] > 1 for v in op.operands])
             elif op.regions and (_has_collective(op) or (any(reads) and op.name not in _COMBINED)):
                 self._nested(op, ins, reads, rw, partial, producers)
             elif not any(reads):
@@ -247,7 +251,12 @@ class _Lifter:
         return out, {i for i, v in enumerate(out.outputs) if v in partial}
 
     def _strip(self, op: Op, ins: list[Value], reads: list[bool], rw: Rewriter,
-               partial: set[Value]) -> None:
+               partial: set[Value], shared: list[bool]) -> None:
+        """The all-reduce ``op`` taken out: its result becomes its operand, the replica's
+        addend (a partial). An operand the region reads elsewhere too (the cotangent a
+        transposed branch both sums for a mirrored weight and passes on for a per-replica
+        input) gets a value of its own as the partial (``x / 1``, which XLA drops): marked
+        partial itself, its other uses would have been summed over the replicas too."""
         if op.name != "all_reduce" or op.attr("reduce") not in ("sum", "mean"):
             raise _Refused(f"{op.name}{_where(op)} is not a linear all-reduce")
         if tuple(op.attr("axes", ())) != (REPLICA_AXIS,):
@@ -255,17 +264,18 @@ class _Lifter:
             raise _Refused(f"{op.name}{_where(op)} also reduces over {op.attr('axes')}")
         if any(reads):
             raise _Refused(f"{op.name}{_where(op)} all-reduces a value that already owes one")
-        for x, r in zip(ins, op.results):
-            if op.attr("reduce") == "sum" or self.n == 1:
+        from compiler.passes.cross_replica_sum import _scale_ops
+        for x, r, more in zip(ins, op.results, shared):
+            power = 0 if op.attr("reduce") == "sum" or self.n == 1 else -1
+            if power == 0 and not more:
                 rw.alias(r, x)
                 partial.add(x)
-            else:
-                from compiler.passes.cross_replica_sum import _scale_ops
-                part = _partial(r)
-                for new in _scale_ops(x, part, -1, self.n, op.loc):
-                    rw.add(new)
-                rw.alias(r, part)
-                partial.add(part)
+                continue
+            part = _partial(r)
+            for new in _scale_ops(x, part, power, self.n, op.loc):
+                rw.add(new)
+            rw.alias(r, part)
+            partial.add(part)
 
     def _check_linear(self, op: Op, reads: list[bool], producers: dict[Value, Op]) -> None:
         """Raise ``_Refused`` unless ``op`` is linear in its operands that are partials
