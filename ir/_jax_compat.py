@@ -1087,12 +1087,16 @@ def _only_varying_differs(avals1: Any, avals2: Any) -> list[frozenset] | None:
     return union if differs else None
 
 
-def _cast_tree(tree: Any, axes: list[frozenset]) -> Any:
+def _cast_tree(tree: Any, axes: list[frozenset] | frozenset) -> Any:
+    """Every leaf of ``tree`` cast to vary over its own axes in ``axes`` (a list, leaf by
+    leaf), or over ``axes`` (one set for all)."""
+    if isinstance(axes, frozenset):
+        return jax.tree.map(lambda x: to_varying(x, axes), tree)
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten([to_varying(x, want) for x, want in zip(leaves, axes)])
 
 
-def _cast_branch(fn: Any, axes: list[frozenset]) -> Any:
+def _cast_branch(fn: Any, axes: list[frozenset] | frozenset) -> Any:
     @functools.wraps(fn)  # (JAX's messages name the user's function)
     def branch(*args: Any, **kwargs: Any) -> Any:
         return _cast_tree(fn(*args, **kwargs), axes)
@@ -1201,9 +1205,7 @@ def _install_varying_promotion() -> None:
             lambda axes: (body_fun if axes is None else _cast_branch(body_fun, axes),),
             lambda fns, axes: orig["while_loop"](
                 cond, fns[0], init_val if axes is None else _cast_tree(init_val, axes)))
-        if pred_axes and pred_axes[-1]:
-            out = jax.tree.map(lambda v: to_varying(v, pred_axes[-1]), out)
-        return out
+        return _cast_tree(out, pred_axes[-1]) if pred_axes and pred_axes[-1] else out
 
     def scan(f, init, *args, **kwargs):
         return _to_fixed_point(
@@ -1243,14 +1245,7 @@ def _varying_by_index(index: Any, branches: Sequence[Any]) -> list:
         return list(branches)
     if not axes:
         return list(branches)
-    cast = lambda tree: jax.tree.map(lambda x: to_varying(x, axes), tree)  # noqa: E731
-
-    def outputs_cast(fn: Any) -> Any:
-        @functools.wraps(fn)  # (JAX's messages name the user's function)
-        def branch(*args: Any, **kwargs: Any) -> Any:
-            return cast(fn(*args, **kwargs))
-        return branch
-    return [outputs_cast(f) for f in branches]
+    return [_cast_branch(f, axes) for f in branches]
 
 
 def _vmapped(index: Any) -> bool:
@@ -2154,37 +2149,34 @@ _DIM_VALUE_AXES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "dim_value_axes", default=None)
 
 
+def _dim_value_axes() -> frozenset | None:
+    """The axes a size's value varies over here: the replica axis while
+    :func:`per_replica_dim_values` is on and the current mesh has it, else ``None``."""
+    axes = _DIM_VALUE_AXES.get()
+    if axes is None:
+        return None
+    return frozenset(axes) & _mesh_axis_names() or None
+
+
 def _install_per_replica_dim_values() -> None:
-    """Wrap ``shape_poly._dim_as_value`` (every size-to-value conversion goes through it),
-    the type of a bare size, ``parallel._psum`` (whose constant case would multiply a bare
-    size by N without converting it) and ``parallel.insert_collective_pvary`` (the other
-    collectives' cast of their operand, which would take a bare size for an invariant
-    value); idempotent, and JAX's own behaviour while the context is off."""
+    """Wrap the type of a bare size, ``parallel._psum`` (whose constant case would multiply
+    a bare size by N without converting it) and ``parallel.insert_collective_pvary`` (the
+    other collectives' cast of their operand, which would take a bare size for an
+    invariant value); idempotent, and JAX's own behaviour while the context is off. (A
+    size's value, ``dim_as_value``, is cast by the ``Primitive.bind`` hook below: its
+    ``dim`` param holds a size.)"""
     from jax._src.export import shape_poly
     from jax._src.lax import parallel
 
-    orig_value = shape_poly._dim_as_value
-    if getattr(orig_value, "_replicate_hlo", False):
+    orig_psum, orig_pvary = parallel._psum, parallel.insert_collective_pvary
+    if getattr(orig_psum, "_replicate_hlo", False):
         return
-
-    def axes_here() -> frozenset | None:  # (the replica axis, where the mesh has it)
-        axes = _DIM_VALUE_AXES.get()
-        if axes is None:
-            return None
-        axes = frozenset(axes) & _mesh_axis_names()
-        return axes or None
-
-    def dim_as_value(dim):
-        out = orig_value(dim)
-        axes = axes_here()
-        return out if axes is None else to_varying(out, axes)
 
     def as_values(x):
         if _DIM_VALUE_AXES.get() is None:
             return x
         return jax.tree.map(lambda v: _core.dimension_as_value(v) if is_symbolic_dim(v)
                             else v, x)
-    orig_psum, orig_pvary = parallel._psum, parallel.insert_collective_pvary
 
     def psum(x, *args, **kwargs):
         return orig_psum(as_values(x), *args, **kwargs)
@@ -2199,16 +2191,14 @@ def _install_per_replica_dim_values() -> None:
 
     def dim_aval(dim):
         aval = orig_aval(dim)
-        axes = axes_here()
+        axes = _dim_value_axes()
         if axes is None:
             return aval
         # (JAX's has no mesh: a scalar of the current one, varying over the axis)
         return _varying_aval(aval.update(sharding=_core.get_cur_mesh_sharding()), axes)
 
-    for f in (dim_as_value, psum, insert_collective_pvary):
-        f._replicate_hlo = True
-    shape_poly._dim_as_value, parallel._psum = dim_as_value, psum
-    parallel.insert_collective_pvary = insert_collective_pvary
+    psum._replicate_hlo = insert_collective_pvary._replicate_hlo = True
+    parallel._psum, parallel.insert_collective_pvary = psum, insert_collective_pvary
     _core.pytype_aval_mappings[shape_poly._DimExpr] = dim_aval
 
 
@@ -2236,12 +2226,12 @@ def _install_per_replica_shapes() -> None:
         return
 
     def bind(self, *args, **params):
-        axes = _DIM_VALUE_AXES.get()
-        if axes is None or not any(_mentions_size(v) for v in params.values()) or any(
+        if _DIM_VALUE_AXES.get() is None or not any(
+                _mentions_size(v) for v in params.values()) or any(
                 isinstance(v, (_core.Jaxpr, _core.ClosedJaxpr)) for v in params.values()):
             return orig(self, *args, **params)  # (loops, calls: their bodies are typed)
-        axes = frozenset(axes) & _mesh_axis_names()
-        if not axes:
+        axes = _dim_value_axes()
+        if axes is None:
             return orig(self, *args, **params)
         traced = any(isinstance(a, _core.Tracer) for a in args)
         if traced:  # (constants too: a table sliced at a traced start)

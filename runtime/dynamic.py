@@ -695,11 +695,9 @@ class DynamicPath:
                 if how == "host":
                     flat.append(put(_pad_host(arrs, shape, dtype, n)))
                 elif how == "device":
-                    # device arrays already of the bucket's shape: nothing to pad (each
-                    # on its replica's device: assembled as they are)
-                    g = rep.layout.placed_global(arrs, shape, dtype, False)
-                    flat.extend([g] if g is not None else rep.layout.global_inputs(
-                        PerReplica(arrs), (LEAF_TREEDEF, (len(shape),))))
+                    # device arrays already of the bucket's shape: nothing to pad
+                    flat.extend(rep.layout.global_inputs(PerReplica(arrs),
+                                                         (LEAF_TREEDEF, (len(shape),))))
                 else:
                     # Device arrays of other sizes are padded on the host: padding on the
                     # device would compile a program per exact input shape (tens of ms for

@@ -181,6 +181,14 @@ class Layout:
             return [self.host_global([p[j] for p in per], rank) for j, rank in enumerate(ranks)]
         out = []
         for j, rank in enumerate(ranks):
+            if self.process_count == 1 and rank:  # (each on its replica's device: as it is)
+                v0 = per[0][j]
+                placed = self.placed_global([p[j] for p in per], np.shape(v0),
+                                            getattr(v0, "dtype", None),
+                                            bool(getattr(v0, "weak_type", False)))
+                if placed is not None:
+                    out.append(placed)
+                    continue
             vals, devs = [], []
             for i, r in enumerate(self.local_replicas):
                 v = per[i][j]

@@ -62,8 +62,8 @@ def test_per_replica_args_hit():
 def test_per_replica_device_arrays_take_the_fast_path(monkeypatch, n):
     """``PerReplica`` of one device array per replica on its replica's device (a loader's
     per-device batches) skips the key and the checks of the slow path (at 1 replica the
-    slow path cost twice jax.jit's call on CPU); arrays on other devices, of another
-    dtype or shape, or weak, take the slow path, which moves or rejects them. Every call
+    slow path cost twice jax.jit's call on CPU); arrays on other devices or of another
+    shape take the slow path, which moves them or builds their program. Every call
     computes each replica's jax.jit result."""
     step = rt.replicate(lambda w, x: (jnp.tanh(x @ w), jnp.sum(x) * w), num_replicas=n)
     keys = _count_keys(monkeypatch, step)

@@ -448,7 +448,6 @@ def _hoist_from_cond(op: Op, enclosing: bool, memo: dict) -> list[Op] | None:
         for j, reduce in sorted(hoisted.items()))]
 
 
-
 def _narrow_sum(op: Op, enclosing: bool) -> bool:
     """A gradient all-reduce of a float type narrower than float32 (``_sinkable_reduce``)."""
     return (op.name == "all_reduce" and _sinkable_reduce(op, enclosing)

@@ -265,8 +265,8 @@ class _Lifter:
         if any(reads):
             raise _Refused(f"{op.name}{_where(op)} all-reduces a value that already owes one")
         from compiler.passes.cross_replica_sum import _scale_ops
+        power = 0 if op.attr("reduce") == "sum" or self.n == 1 else -1  # (x / N: a mean)
         for x, r, more in zip(ins, op.results, shared):
-            power = 0 if op.attr("reduce") == "sum" or self.n == 1 else -1
             if power == 0 and not more:
                 rw.alias(r, x)
                 partial.add(x)

@@ -231,7 +231,6 @@ def _attrs_key(x: Any) -> Any:
     return repr(x)
 
 
-
 def _branch_keys(g: Graph, inputs: list | None = None) -> list[tuple | None]:
     """A structural key of each output of ``g`` (a cond's branch): the ops computing it,
     their attributes (``_attrs_key``) and
