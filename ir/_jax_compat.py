@@ -679,6 +679,12 @@ def to_varying(x: Any, axes: str | frozenset) -> Any:
 from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402
 
 
+def is_plain_array(x: Any) -> bool:
+    """Is ``x`` a concrete ``jax.Array`` of a plain dtype (not a tracer, not a typed PRNG
+    key array, whose buffers :func:`assemble` cannot take)?"""
+    return type(x) is _ArrayImpl
+
+
 def assemble(shape: tuple, sharding: Any, shards: Sequence[Any]) -> Any:
     """The global array of ``shape`` made of ``shards``: device arrays of one dtype and
     weak type, one per device of ``sharding`` in its device order, each of its shard's

@@ -217,7 +217,7 @@ class Layout:
         if not self._assemble_ok or not shape:
             return None
         for v, d in zip(values, self.replica_devices):
-            if not isinstance(v, jax.Array) or v.shape != shape or v.dtype != dtype or \
+            if not jc.is_plain_array(v) or v.shape != shape or v.dtype != dtype or \
                     v.weak_type != weak or v.sharding.device_set != {d}:
                 return None
         if self.num_replicas == 1:  # the array is the global one (a new array per call
