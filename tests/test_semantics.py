@@ -667,7 +667,30 @@ _ROUNDINGS = {  # name: (loss of (w, x), rows of x per replica, loss reduction)
                       .astype(jnp.float32), [[20000.0]] * 4, "sum"),
     "bf16_cumsum": (lambda w, x: jnp.sum(jnp.cumsum(w.astype(jnp.bfloat16)) * x.astype(
         jnp.bfloat16)).astype(jnp.float32), [[256.0], [1.0]], "mean"),
+    # the cast inside a call, branch or loop whose inputs are all mirrored (the weight's
+    # own computation), its float32 result meeting the replicas' data after it: the sum
+    # goes into the call's backward pass before the cast there
+    "f16_cast_inside_jit": (lambda w, x: jnp.sum(_halved_twice(jax.jit)(w) * x),
+                            [[20000.0]] * 4, "sum"),
+    "f16_cast_inside_checkpoint": (lambda w, x: jnp.sum(_halved_twice(jax.checkpoint)(w) * x),
+                                   [[20000.0]] * 4, "mean"),
+    "f16_cast_inside_cond": (lambda w, x: jnp.sum(lax.cond(
+        w[0] > 0, _halved_twice(lambda f: f), lambda v: v, w) * x), [[20000.0]] * 4, "sum"),
+    "f16_cast_inside_scan": (lambda w, x: jnp.sum(lax.scan(
+        lambda c, _: (c + _halved_twice(lambda f: f)(w), None), jnp.zeros_like(w), None,
+        length=1)[0] * x), [[20000.0]] * 4, "sum"),
+    "f16_cast_inside_fori_loop": (lambda w, x: jnp.sum(lax.fori_loop(
+        0, 1, lambda i, c: c + _halved_twice(lambda f: f)(w), jnp.zeros_like(w)) * x),
+        [[20000.0]] * 4, "sum"),
+    "bf16_cast_inside_jit": (lambda w, x: jnp.sum(jax.jit(
+        lambda v: (v.astype(jnp.bfloat16) * v.astype(jnp.bfloat16)).astype(jnp.float32))(w)
+        * x), [[256.0], [1.0]], "mean"),
 }
+
+
+def _halved_twice(wrap):
+    """``wrap`` of a function casting its operand to float16 and doubling it there."""
+    return wrap(lambda v: (v.astype(jnp.float16) * jnp.float16(2)).astype(jnp.float32))
 
 
 @pytest.mark.parametrize("name", sorted(_ROUNDINGS))
@@ -683,7 +706,10 @@ def test_low_precision_cotangents_are_rounded_per_replica_then_summed(name):
     ``jnp`` function there, jitted by JAX (``jnp.pad``, ``where``, ``cumsum``: the call is
     inlined), or a ``concatenate`` (its transpose splits the sum; before, each of those
     kept the sum in the narrow type); a ``lax.scan`` between them:
-    ``test_low_precision_sums_follow_linear_ops_to_the_cast``."""
+    ``test_low_precision_sums_follow_linear_ops_to_the_cast``. And with the cast inside a
+    ``jax.jit``, ``jax.checkpoint``, ``cond`` or loop of mirrored inputs only (``*_inside_*``):
+    the backward pass casts the summed float32 cotangent there, after the sum (inf in
+    float16 where pmap gives 160000; bfloat16 rounding of the sum)."""
     loss, rows, reduction = _ROUNDINGS[name]
     x = np.asarray(rows, np.float32)
     n, w = len(rows), jnp.ones((2 if "slice" in name else 1,), jnp.float32)

@@ -598,9 +598,12 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
             continue
         g = min(roots)
         if roots & rounds or _float_cast(op) or op.name == "reduce_precision" or (
-                through is not None and _float_dtype(op.operands[mine[0]].type.dtype)
-                .itemsize < 4):  # (a narrow sum out of a call: a float16 mean can follow)
-            rounds.add(g)  # (a cast between float types rounds, or widens: see above)
+                through is not None and (_float_dtype(op.operands[mine[0]].type.dtype)
+                                         .itemsize < 4 or _rounds_inside(op))):
+            # (a cast between float types rounds, or widens: see above; a narrow sum out of
+            # a call: a float16 mean can follow; a region that casts: the sum went in
+            # before a rounding, which it must follow as it does outside one)
+            rounds.add(g)
         for other in roots:
             parent[other] = g
         planned[id(op)] = mine
@@ -678,6 +681,18 @@ def _defer_sums(graph: Graph, enclosing: bool, memo: dict, returns: bool = False
     # (a scan's carry that starts at a mirrored zero now holds an addend, a cond's branch
     # returns one where another returns a mirrored zero)
     return (_retyped(new) if retype else new), hoisted
+
+
+def _rounds_inside(op: Op) -> bool:
+    """Does a region of ``op`` (nested ones too) cast between float types or
+    ``reduce_precision``? A gradient sum going into such a call, ``cond`` or ``scan``
+    linearly is deferred past it (``_defer_sums``): the backward pass of
+    ``jax.jit(lambda w: w.astype(f16) * 2)(w)``, a weight's own computation inside a call
+    whose inputs are all mirrored, casts the summed cotangent to float16 inside the call;
+    four replicas' 20000 summed there overflowed to inf, where pmap code sums the
+    replicas' gradients after their cast back."""
+    return any(_float_cast(o) or o.name == "reduce_precision"
+               for g in op.regions for o, _ in g.walk())
 
 
 def _lifted_for_addends(op: Op, mine: list[int], producers: dict[Value, Op]
