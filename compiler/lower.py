@@ -125,6 +125,26 @@ def _model_axes() -> bool:
     return any(a != REPLICA_AXIS and n > 1 for a, n in zip(mesh.axis_names, mesh.axis_sizes))
 
 
+@rule("select_and_scatter_add")
+def _select_and_scatter_add(op: Op, args: list[Any]) -> list[Any]:
+    """The gradient of a max or min ``reduce_window`` (max pooling), with K > 1 logical
+    devices: its operands unsplit along the windowed dims first. XLA's SPMD partitioner
+    gives wrong numbers for a select-and-scatter split along a dim whose windows overlap
+    (``jax.jit`` with the same sharding constraint gives the same wrong gradient: a window
+    of 3, stride 1, ``SAME``, split in two, sent some rows' gradient to the wrong element);
+    the other dims stay as XLA's propagation leaves them."""
+    if _model_axes():
+        mesh = jax.sharding.get_abstract_mesh()
+        windowed = [w > 1 or s != 1 or tuple(p) != (0, 0) for w, s, p in zip(
+            op.attr("window_dimensions"), op.attr("window_strides"), op.attr("padding"))]
+        spec = P(*[None if w else P.UNCONSTRAINED for w in windowed])
+        unsplit = lambda a: lax.with_sharding_constraint(a, NamedSharding(mesh, spec))  # noqa: E731
+        # (the result too: JAX pads the operand inside the op's lowering, and XLA's
+        # propagation split the padded operand from the result's side)
+        return [unsplit(r) for r in _bind(op, [unsplit(a) for a in args])]
+    return _bind(op, args)
+
+
 @rule("reduce_scatter")
 def _reduce_scatter(op: Op, args: list[Any]) -> list[Any]:
     """A reduce-scatter (``psum_scatter``, the gradient of an ``all_gather``) as JAX binds

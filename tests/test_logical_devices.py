@@ -466,3 +466,37 @@ def test_bfloat16_reduce_scatter_with_logical_devices(case, k):
     want = jax.pmap(ref, axis_name="i", devices=jax.devices()[:2])(x.reshape(2, 4))
     for r in range(2):
         np.testing.assert_allclose(np.asarray(got.values[r]), np.asarray(want[r]), rtol=1e-6)
+
+
+_POOLS = {  # name: (reducer, init, window, strides, padding) along the split dim 1
+    "max_same_window_3": (jax.lax.max, -np.inf, (1, 3), (1, 1), "SAME"),
+    "min_same_window_3": (jax.lax.min, np.inf, (1, 3), (1, 1), "SAME"),
+    "max_valid_window_2": (jax.lax.max, -np.inf, (1, 2), (1, 1), "VALID"),
+    "max_2d_3x3": (jax.lax.max, -np.inf, (3, 3), (1, 1), "SAME"),
+}
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (2, 2), (1, 4)])
+@pytest.mark.parametrize("name", sorted(_POOLS))
+def test_gradient_of_max_pooling_along_a_split_dim(name, n, k):
+    """The gradient of a max/min ``reduce_window`` whose windows overlap along a dim
+    split over the logical devices (XLA's select-and-scatter) equals one device's; found
+    by a probe: XLA's partitioner gave wrong numbers there (window 3, stride 1, split in
+    two: ``[-0.17, 0, 1.68, -0.51, ...]`` where one device gives ``[2.63, -0.53, 0.72,
+    1.33, ...]``; plain ``jax.jit`` with the same constraint too), so its operands are
+    unsplit along the windowed dims (``compiler.lower``). Oracle: ``jax.jit`` on one
+    device, gradients averaged over the replicas."""
+    from jax import lax
+    reducer, init, window, strides, padding = _POOLS[name]
+    w = np.random.RandomState(0).randn(8).astype(np.float32)
+    xs = [np.random.RandomState(1 + r).randn(4, 8).astype(np.float32) for r in range(n)]
+
+    def loss(w, x, split=True):
+        v = x * w
+        if split:
+            v = rt.split_to_logical_devices(v, [1, k])
+        y = lax.reduce_window(v, np.float32(init), reducer, window, strides, padding)
+        return jnp.sum(y * jnp.cos(x[:, :y.shape[1]]))
+    got = rt.replicate(jax.grad(loss), num_replicas=n, logical_devices=k)(w, rt.PerReplica(xs))
+    want = np.mean([jax.jit(jax.grad(lambda w, x: loss(w, x, False)))(w, x) for x in xs], 0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
