@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import os
 import sys
 from typing import Any, Iterator, Sequence
@@ -2164,6 +2165,25 @@ def _dim_value_axes() -> frozenset | None:
     return frozenset(axes) & _mesh_axis_names() or None
 
 
+def _split_symbolic_axes(x: Any, axis_name: Any, groups: Any) -> tuple[Any, tuple] | None:
+    """For a ``psum`` of constants (no tracer among ``x``'s leaves) over named axes of
+    which some have a symbolic size (a ``vmap`` over a dynamic dim): the product of those
+    sizes and the other axes; else ``None``. ``lax.pmean`` divides by ``psum(1, axes)``,
+    and over a ``vmap`` axis of dynamic size (equinox's ``BatchNorm(axis_name=...)``)
+    JAX's constant case turned the size into an ``int`` (an error, where the same mean's
+    sum of tracers worked)."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    leaves = jax.tree.leaves(x)
+    if groups is not None or not leaves or any(isinstance(a, int) for a in names) or any(
+            isinstance(v, _core.Tracer) for v in leaves):
+        return None
+    env = _core.get_axis_env()
+    sym = [a for a in names if is_symbolic_dim(env.axis_size(a))]
+    if not sym:
+        return None
+    return math.prod(env.axis_size(a) for a in sym), tuple(a for a in names if a not in sym)
+
+
 def _install_per_replica_dim_values() -> None:
     """Wrap the type of a bare size, ``parallel._psum`` (whose constant case would multiply
     a bare size by N without converting it) and ``parallel.insert_collective_pvary`` (the
@@ -2184,8 +2204,20 @@ def _install_per_replica_dim_values() -> None:
         return jax.tree.map(lambda v: _core.dimension_as_value(v) if is_symbolic_dim(v)
                             else v, x)
 
-    def psum(x, *args, **kwargs):
-        return orig_psum(as_values(x), *args, **kwargs)
+    def psum(x, axis_name, *, axis_index_groups, is_async):
+        split = _split_symbolic_axes(x, axis_name, axis_index_groups)
+        if split is not None:  # (JAX's constant case would take the size for an int)
+            # each replica's own size (a value), then summed over the other axes: over
+            # ("batch", replica axis) the count is the sum of the replicas' sizes
+            n = _core.dimension_as_value(split[0])
+            x = jax.tree.map(lambda v: jax.lax.convert_element_type(
+                n, np.int32 if np.asarray(v).dtype == np.bool_ else jax.numpy.result_type(v))
+                * v, x)
+            if not split[1]:
+                return x
+            axis_name = split[1]
+        return orig_psum(as_values(x), axis_name, axis_index_groups=axis_index_groups,
+                         is_async=is_async)
 
     def insert_collective_pvary(axis_name, x):  # (pmax, pmin, all_gather...: JAX would
         # type a bare size invariant, then cast a value that already varies)

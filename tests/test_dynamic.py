@@ -584,6 +584,27 @@ def test_collective_of_a_dynamic_size_sums_the_replicas_sizes(case):
     np.testing.assert_allclose(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("axes", ["b", ("b", "i")], ids=["vmap_axis", "vmap_and_replica_axes"])
+def test_pmean_over_a_vmap_axis_of_dynamic_size(axes):
+    """``lax.pmean`` over a ``vmap`` axis of dynamic size (equinox's
+    ``BatchNorm(axis_name="batch")``), and over it and the replica axis (its
+    ``axis_name=("batch", "i")``): the mean over the replica's real rows, and over every
+    replica's (5 + 3 rows). Before: an error (JAX's ``psum(1, axis)`` of the count took the
+    size for an ``int``), where ``psum`` over the same axes worked. Oracle: NumPy on the
+    unpadded batches."""
+    w = np.arange(6, dtype=np.float32).reshape(3, 2) / 4
+    xs = [np.arange(15, dtype=np.float32).reshape(5, 3), np.ones((3, 3), np.float32)]
+
+    def step(w, x):
+        return jax.vmap(lambda r: lax.pmean(r @ w, axes), axis_name="b")(x)
+    got = rt.replicate(step, num_replicas=2, axis_name="i",
+                       options=rt.RunOptions(dynamic_shapes=True))(w, rt.PerReplica(xs))
+    for x, g in zip(xs, got.values):
+        rows = np.concatenate(xs) if axes != "b" else x
+        want = np.broadcast_to((rows @ w).mean(0), (len(x), 2))
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6)
+
+
 _SIZE_LOSSES = {
     "maximum": lambda w, x: jnp.sum(x @ w) + jnp.maximum(x.shape[0], 1) * jnp.sum(w ** 2),
     "ones_sum": lambda w, x: jnp.sum(x @ w) + jnp.ones(x.shape[0]).sum() * jnp.sum(w ** 2),
