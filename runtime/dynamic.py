@@ -277,6 +277,7 @@ class DynamicPath:
         leaves, treedef = jax.tree_util.tree_flatten(args, _is_pr)
         arg_of = [i for i, a in enumerate(args) for _ in jax.tree_util.tree_flatten(a, _is_pr)[0]]
         sizes: list[dict[str, int]] = [{} for _ in range(n)]
+        first: dict[str, tuple[int, int, int]] = {}  # dim -> the (argument, leaf, axis) setting it
         bounds: dict[str, int] = {}
         per_leaf = []  # per leaf: None (mirrored) or (inner_td, [per inner leaf: (arrays, axes)])
         for i, x in enumerate(leaves):
@@ -335,11 +336,18 @@ class DynamicPath:
                                     f"{bound[ax]} in maximum_shapes")
                             bounds[sym] = min(bounds.get(sym, bound[ax]), bound[ax])
                         prev = sizes[r].setdefault(sym, size)
+                        where = first.setdefault(sym, (arg, j, ax))
                         if prev != size:
+                            a0, j0, ax0 = where
                             raise ValueError(
                                 f"PerReplica argument {arg} leaf {j}: replica {r} has size {size} "
-                                f"along axis {ax} (dynamic dim {sym}) but another input of that "
-                                f"replica has {prev}")
+                                f"along axis {ax} (dynamic dim {sym}) but {prev} along axis "
+                                f"{ax0} of argument {a0} leaf {j0}; every axis of dim {sym} "
+                                f"holds the replica's one size. If one of them is not that "
+                                f"dim (a state's, a table's), keep its argument static "
+                                f"(RunOptions(dynamic_dims={{{a0}: ()}}) or {{{arg}: ()}}) or "
+                                f"give that axis a dim of its own (dynamic_dims={{argument: "
+                                f"{{axis: name}}}})")
                 inner.append((arrs, axes))
             per_leaf.append((td0, inner))
         syms = tuple(sorted(sizes[0])) if sizes else ()

@@ -362,8 +362,9 @@ def test_a_planned_bucket_still_refuses_bad_calls(monkeypatch):
     xs, ys = batch((5, 7, 2, 8))
     _check_mlp(step(w, rt.PerReplica(xs), rt.PerReplica(ys)), w, xs, ys)
     xs, ys = batch((5, 7, 2, 8), y_sizes=(5, 7, 3, 8))
-    with pytest.raises(ValueError, match=r"replica 2 has size 3 along axis 0 \(dynamic dim b\) "
-                                         r"but another input of that replica has 2"):
+    with pytest.raises(ValueError, match=r"argument 2 leaf 0: replica 2 has size 3 along axis 0 "
+                                         r"\(dynamic dim b\) but 2 along axis 0 of argument 1 "
+                                         r"leaf 0; .*dynamic_dims=\{1: \(\)\}\) or \{2: \(\)\}"):
         step(w, rt.PerReplica(xs), rt.PerReplica(ys))
     with pytest.raises(ValueError, match="PerReplica argument 1 has 3 values but the step runs on 4"):
         step(w, rt.PerReplica(xs[:3]), rt.PerReplica(ys[:3]))
