@@ -223,8 +223,8 @@ def test_key_entries_are_documented():
     from runtime import persistent
     doc = persistent.__doc__
     for name in ("format", "fn.module", "fn.qualname", "fn.code", "fn.source", "signature",
-                 "jax", "jaxlib", "backend", "jax_config", "mesh", "pipeline", "options",
-                 "program"):
+                 "jax", "jaxlib", "backend", "jax_config", "compiler", "mesh", "pipeline",
+                 "options", "program"):
         assert f"``{name}``" in doc, name
 
 
@@ -280,6 +280,32 @@ def test_jax_context_is_part_of_the_persistent_key():
                        timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == plain
+
+
+def test_xla_flags_are_part_of_the_persistent_key(monkeypatch):
+    """A record compiled under other XLA flags is not this process's (JAX's own cache keys
+    on them): before, a bfloat16 step's record written under XLA's default excess
+    precision was served to a process run with ``--xla_allow_excess_precision=false``
+    (3877.68 where ``jax.jit`` there gives 3877.85; found by a probe). The ``compiler``
+    entry holds ``$XLA_FLAGS``, ``$LIBTPU_INIT_ARGS`` and JAX's compile-option settings."""
+    import numpy as np
+
+    import runtime as rt
+    from runtime.persistent import digest, key_entries
+
+    s = rt.replicate(lambda a: a * 3, num_replicas=1)
+    key = s._key_of((np.ones((4,), np.float32),))[2]
+    entries = []
+    for flags in ("--xla_force_host_platform_device_count=8",
+                  "--xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false"):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        entries.append(key_entries(s, key))
+    assert "--xla_allow_excess_precision=false" in entries[1]["compiler"]
+    assert "jax_memory_fitting_level=" in entries[0]["compiler"]
+    assert entries[0]["compiler"] != entries[1]["compiler"]
+    assert digest(entries[0]) != digest(entries[1])
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=true")
+    assert key_entries(s, key)["compiler"] != entries[1]["compiler"]
 
 
 def test_program_fingerprint_is_stable_and_sees_what_the_step_closes_over():
