@@ -529,7 +529,7 @@ class PersistentCache:
             rec = None
         if rec is not None and rec.get("executable") is not None:
             try:
-                prog = _restore(owner, rec)
+                prog = _restore(owner, rec, traced.out_treedef)
             except Exception as e:  # noqa: BLE001 - an unusable record is a miss
                 self._bad(self.path(d), f"cannot be loaded ({type(e).__name__}: {e})")
             else:
@@ -573,17 +573,23 @@ def _atomic_write(path: str, data: bytes) -> None:
         raise
 
 
-def _restore(owner: Any, rec: dict[str, Any]) -> Any:
-    """A ready-to-call program from a record (no trace, no compile)."""
+def _restore(owner: Any, rec: dict[str, Any], out_treedef: Any) -> Any:
+    """A ready-to-call program from a record (no trace, no compile) returning its results
+    in ``out_treedef``, this process's trace's: the record's may differ from it in the
+    static data of a node (an object whose text, addresses dropped, the fingerprint
+    cannot tell from another: a hit returned the writer's ``schedule='linear'`` where
+    the step returns ``'cosine'``; found by a probe)."""
     from jax.experimental import serialize_executable as se
 
     from compiler.pass_manager import PassRecord
     from runtime.program import Program
 
-    compiled = se.deserialize_and_load(rec["executable"], rec["in_tree"], rec["out_tree"],
+    entry = rec.get("entry_tree") is not None  # (the executable returns that structure)
+    compiled = se.deserialize_and_load(rec["executable"], rec["in_tree"],
+                                       out_treedef if entry else rec["out_tree"],
                                        execution_devices=list(owner.mesh.devices.flat))
     records = [PassRecord(name, seconds, _LazyGraph(text)) for name, seconds, text in rec["records"]]
-    prog = Program(owner, records, None, rec["in_layout"], rec["out_treedef"],
+    prog = Program(owner, records, None, rec["in_layout"], out_treedef,
                    rec["out_varying"], rec["out_ranks"], entry_tree=rec.get("entry_tree"))
     prog.key = rec["key"]
     prog.donated = tuple(rec.get("donated", ()))

@@ -308,6 +308,50 @@ def test_xla_flags_are_part_of_the_persistent_key(monkeypatch):
     assert key_entries(s, key)["compiler"] != entries[1]["compiler"]
 
 
+def test_a_disk_hit_returns_this_traces_result_structure(tmp_path):
+    """A step returning a pytree node whose static data is an object with an address in
+    its text (which the fingerprint drops): a disk hit is served the executable, but its
+    results come in the structure this trace gave, not the one of the step that wrote the
+    record (before: ``'linear'`` where the step returns ``'cosine'``; found by a probe).
+    Two ``replicate`` objects in one fresh process: the second's miss is a disk hit."""
+    code = r'''
+import os, sys, json
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+import runtime as rt
+
+class Meta:  # equal by schedule; its repr holds an address
+    def __init__(self, schedule): self.schedule = schedule
+    def __eq__(self, o): return isinstance(o, Meta) and o.schedule == self.schedule
+    def __hash__(self): return hash(self.schedule)
+
+class Box:
+    def __init__(self, v, meta): self.v, self.meta = v, meta
+
+jax.tree_util.register_pytree_node(Box, lambda b: ((b.v,), b.meta), lambda m, c: Box(c[0], m))
+out = []
+for schedule in ("linear", "cosine"):
+    meta = Meta(schedule)
+    s = rt.replicate(lambda x: Box(x * 2, meta), num_replicas=2,
+                     options=rt.RunOptions(cache_dir=sys.argv[1]))
+    got = s(np.ones(4, np.float32))
+    out.append([got.meta.schedule, np.asarray(got.v).tolist(), s.cache_info().disk_hits])
+print(json.dumps(out))
+'''
+    script = tmp_path / "box.py"
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for k in ("XLA_FLAGS", "RT_CACHE_DIR", "RT_DUMP_DIR"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, second = json.loads(r.stdout.strip().splitlines()[-1])
+    assert first == ["linear", [2.0] * 4, 0]
+    assert second == ["cosine", [2.0] * 4, 1]
+
+
 def test_program_fingerprint_is_stable_and_sees_what_the_step_closes_over():
     """The ``program`` key entry (``persistent.program_fingerprint`` of ``trace_step``):
     two fresh traces of one step, with fresh function and optimizer objects (whose
