@@ -529,6 +529,11 @@ class _Stager:
         self.recorded: dict[tuple, Any] = {}  # calls to replay (``shared_call``), by key
         self.consts: dict[tuple, Any] = {}  # constants made, by value (``jc.emit``)
         self.rules: dict[tuple, Any] = {}  # what rules staged, to replay (``rule_call``)
+        # every graph's values, kept until the trace's end: JAX drops a constant of the
+        # frame whose tracer died, and an op of constants only (a weak-typed array the step
+        # closes over, cast to its strong type) is folded by JAX into one, which the ops
+        # after it read as a ``Var`` (a ``KeyError`` when ``shard_map`` lowered them)
+        self.envs: list[dict] = []
 
     def source_info(self, op: Op) -> Any:
         ctx = jc.source_info_context()
@@ -667,7 +672,10 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
             raise LoweringError(f"lowering {op.name} ({op.loc}) failed: {type(e).__name__}: {e}") from e
         env.update(zip(op.results, outs))
     outs = [env[v] for v in graph.outputs]
-    return outs if stager is None else jc.traced(outs, jc.current_source_info())
+    if stager is None:
+        return outs
+    stager.envs.append(env)
+    return jc.traced(outs, jc.current_source_info())
 
 
 def build_jitted(graph: Graph, mesh: Mesh, in_varying: Sequence[bool], in_ranks: Sequence[int],

@@ -341,6 +341,30 @@ def test_stage_leaves_ops_of_constants_only_to_bind(eager_folding):
     assert staged == [True, False]
 
 
+_WEAK = {  # arrays of a weak type the step closes over, as jnp makes them without a dtype
+    "full": lambda: jnp.full(4, 3.0),
+    "broadcast_to": lambda: jnp.broadcast_to(2.0, (4,)),
+    "int_full_summed": lambda: jnp.full((4,), 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_WEAK))
+def test_a_weak_typed_array_the_step_closes_over(name):
+    """A weak-typed array closed over by the step, which the step's ops cast to its strong
+    type first (an op of constants only, which JAX folds into a constant of the frame):
+    the numbers ``jax.jit`` gives. Before: a ``KeyError: Var(...)`` from JAX's lowering
+    (the folded constant's tracer had died before ``shard_map`` made the jaxpr, and JAX
+    drops such a constant; found by a probe)."""
+    g = _WEAK[name]()
+    assert g.weak_type
+
+    def step(x):
+        return x * (g.sum() if name.endswith("summed") else g)
+    x = np.arange(1, 5, dtype=np.float32)
+    got = rt.replicate(step, num_replicas=2)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(step)(x)))
+
+
 _LOG: list = []
 
 
