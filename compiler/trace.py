@@ -197,7 +197,8 @@ def trace_replica_fn(flat_fn: Callable[..., Sequence[Any]], specs: Sequence[Leaf
         layouts = jc.LAYOUT_HOOK.set(_replica_layout)
         try:
             with replica_context(num_replicas, logical_devices, axis_name), \
-                    jc.varying_loop_carries(), jc.grad_mode("replica"):
+                    jc.varying_loop_carries(), jc.grad_mode("replica"), \
+                    jc.without_context_mesh():  # (inside, shard_map's mesh is the context)
                 jax.make_jaxpr(jax.shard_map(outer, mesh=mesh, in_specs=(), out_specs=(),
                                              check_vma=True))()
         finally:

@@ -880,6 +880,15 @@ def trace_context() -> tuple:
     return (_config.trace_context(), jax.sharding.get_abstract_mesh())
 
 
+def without_context_mesh() -> Any:
+    """A context without the user's ``jax.set_mesh`` mesh, for lowering a step's program:
+    its ``shard_map`` over the replicas' mesh refuses another context mesh (a step called
+    inside ``with jax.set_mesh(mesh):`` was a ``ValueError`` where ``jax.jit`` works)."""
+    if jax.sharding.get_abstract_mesh().empty or not _core.trace_state_clean():
+        return contextlib.nullcontext()
+    return jax.set_mesh(None)
+
+
 def trace_context_text() -> str:
     """:func:`trace_context` as text that is the same in every process for the same
     settings (a persistent key's entry): ``name=value`` for each setting JAX names, a

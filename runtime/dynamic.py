@@ -667,8 +667,9 @@ class DynamicPath:
             if s.varying:
                 shape = global_shape(shape, n)
             gavals.append(jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type))
-        prog = Program(rep, pm.records, jitted.lower(*gavals), in_layout, out_td,
-                       out_varying, out_ranks)
+        with jc.without_context_mesh():
+            lowered = jitted.lower(*gavals)
+        prog = Program(rep, pm.records, lowered, in_layout, out_td, out_varying, out_ranks)
         prog.key = key
         # which axes of each output are padded, from the symbolic graph: per axis the
         # symbol and how many elements fewer it has (``x[1:]``: ``("b", 1)``)

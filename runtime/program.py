@@ -548,11 +548,12 @@ def _build(rep: Any, treedef: Any, key: tuple, keep: bool, traced: TracedStep) -
     for s in specs:
         shape = global_shape(s.shape, n) if s.varying else s.shape
         gavals.append(jax.ShapeDtypeStruct(shape, s.dtype, weak_type=s.weak_type))
-    t0 = time.perf_counter()
-    jax_traced = jitted.trace(*(treedef.unflatten(gavals) if entry else gavals))
-    t1 = time.perf_counter()
-    jax_lowered = jax_traced.lower()
-    t2 = time.perf_counter()
+    with jc.without_context_mesh():
+        t0 = time.perf_counter()
+        jax_traced = jitted.trace(*(treedef.unflatten(gavals) if entry else gavals))
+        t1 = time.perf_counter()
+        jax_lowered = jax_traced.lower()
+        t2 = time.perf_counter()
     prog = Program(rep, pm.records, jax_lowered, in_layout, out_info["treedef"],
                    out_varying, out_ranks, entry_tree=treedef if entry else None,
                    passes=passes if keep else None)

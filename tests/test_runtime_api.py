@@ -559,3 +559,25 @@ def test_the_documentation_check_finds_a_missing_docstring():
 
     mod = types.SimpleNamespace(__all__=["Thing", "f"], Thing=Thing, f=lambda: None)
     assert _undocumented(mod) == ["Thing.method", "f"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_step_called_under_a_context_mesh(dynamic):
+    """A step called inside ``with jax.set_mesh(mesh):`` (a program that also runs
+    ``jax.jit`` code with explicit shardings) runs, with ``jax.jit``'s numbers; its
+    per-replica program does not see that mesh (inside, the replicas' mesh is the
+    context). Before: ``ValueError: The context mesh ... should match the mesh passed to
+    shard_map`` (found by a probe)."""
+    w = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    xs = [np.arange(12, dtype=np.float32).reshape(4, 3) / 10, np.ones((2, 3), np.float32)]
+    if not dynamic:
+        xs[1] = np.ones((4, 3), np.float32)
+
+    def step(w, x):
+        return jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+    s = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=dynamic))
+    with jax.set_mesh(jax.make_mesh((8,), ("d",))):
+        got = [s(w, rt.PerReplica(xs)) for _ in range(2)]  # (a build, then a hit)
+    want = np.mean([jax.jit(step)(w, x) for x in xs], 0)
+    for g in got:
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6)
