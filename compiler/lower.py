@@ -49,6 +49,10 @@ def _constant(op: Op, args: list[Any]) -> list[Any]:
     shape = tuple(t.shape)
     if value.shape != shape:  # a splat (one element) fills the shape, as the verifier allows
         value = value.reshape(shape) if value.size != 1 else np.broadcast_to(value.reshape(()), shape)
+    if t.weak_type:  # (a NumPy array is a strong constant: ``lr * 0.5`` of a Python float
+        # came out a strong float32, where ``jax.jit``'s is weak, and a bfloat16 weight
+        # times it then float32; JAX folds this cast into a weak constant)
+        return [jc.weak_constant(value)]
     return [value]
 
 

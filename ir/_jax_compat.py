@@ -880,6 +880,13 @@ def trace_context() -> tuple:
     return (_config.trace_context(), jax.sharding.get_abstract_mesh())
 
 
+def weak_constant(value: np.ndarray) -> Any:
+    """``value`` as a weak-typed constant of the current trace (a NumPy array is a
+    strong one)."""
+    from jax._src.lax import lax as _lax
+    return _lax._convert_element_type(value, weak_type=True)
+
+
 def without_context_mesh() -> Any:
     """A context without the user's ``jax.set_mesh`` mesh, for lowering a step's program:
     its ``shard_map`` over the replicas' mesh refuses another context mesh (a step called

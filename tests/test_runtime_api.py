@@ -581,3 +581,18 @@ def test_a_step_called_under_a_context_mesh(dynamic):
     want = np.mean([jax.jit(step)(w, x) for x in xs], 0)
     for g in got:
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6)
+
+
+def test_results_keep_jax_jits_weak_types():
+    """A result computed from a Python scalar is weak-typed, as ``jax.jit``'s (so a
+    bfloat16 weight times it stays bfloat16); before, the IR's weak constant lowered as a
+    strong NumPy array and the result came out a strong float32 (found by a probe)."""
+    def step(x, lr):
+        return x * 2, lr * 0.5, jax.lax.cond(lr > 0, lambda: lr * 2.0, lambda: lr)
+    x = np.ones(4, np.float32)
+    got, want = rt.replicate(step, num_replicas=2)(x, 0.1), jax.jit(step)(x, 0.1)
+    for g, w in zip(got, want):
+        assert (g.dtype, g.weak_type) == (w.dtype, w.weak_type)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert [w.weak_type for w in want] == [False, True, True]
+    assert (jnp.ones(3, jnp.bfloat16) * got[1]).dtype == jnp.bfloat16
