@@ -1745,3 +1745,37 @@ def test_low_precision_positional_table_over_a_dynamic_sequence(low, reduction):
                        options=opts)(pos, rt.PerReplica(fs))
     assert np.all(np.isfinite(np.asarray(want)))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+_FFTS = {
+    "rfft": lambda v: jnp.abs(jnp.fft.rfft(v, axis=-1)),
+    "fft_complex": lambda v: jnp.abs(jnp.fft.fft(v.astype(jnp.complex64), axis=-1)) ** 2,
+    "irfft_of_rfft": lambda v: jnp.fft.irfft(jnp.fft.rfft(v) * 2, n=v.shape[-1]),
+    "fft2_last_axes": lambda v: jnp.real(jnp.fft.fft2(v.reshape(v.shape[0], 2, 4))).reshape(
+        v.shape[0], 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FFTS))
+def test_fft_along_static_axes_of_a_dynamic_batch(name):
+    """An FFT over the static trailing axes of a value with a dynamic batch axis (a batch
+    of signals): exact, each row its own transform, forward and the gradient of a
+    mirrored weight. Before: a ``PaddingError`` (every padded FFT refused; found by a
+    probe). Along the padded axis itself: the error, naming the axis. Oracle: ``jax.jit``
+    on each replica's unpadded batch, gradients averaged."""
+    w = np.linspace(0.5, 1.5, 8).astype(np.float32)
+    xs = [np.random.RandomState(r).randn(3 + 2 * r, 8).astype(np.float32) for r in range(2)]
+
+    def step(w, x):
+        return jax.value_and_grad(lambda w: jnp.mean(_FFTS[name](x * w)))(w)
+    loss, grad = rt.replicate(step, num_replicas=2, options=rt.RunOptions(dynamic_shapes=True))(
+        w, rt.PerReplica(xs))
+    want = [jax.jit(step)(w, x) for x in xs]
+    for got, (wl, _) in zip(loss.values, want):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(wl), rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(grad), np.mean([g for _, g in want], 0), rtol=2e-5,
+                               atol=1e-6)
+    along = rt.replicate(lambda x: jnp.abs(jnp.fft.fft(x, axis=0)), num_replicas=2,
+                         options=rt.RunOptions(dynamic_shapes=True))
+    with pytest.raises(ValueError, match=r"fft along axis 1 \(dynamic dim b\) of c64\[8,b\]"):
+        along(rt.PerReplica(xs))

@@ -110,7 +110,7 @@ WINDOWS = frozenset({"reduce_window", "reduce_window_sum", "reduce_window_max",
 #: ops that are never exact when an operand is padded: every collective (replicas hold
 #: different real sizes in one bucket, so a reduce-scatter summed real rows of one replica
 #: with padding of another) but the gradient all-reduce the pass defers to static dims
-DENY = frozenset({"fft", "reduce", "reduce_precision_window"}) | COLLECTIVES
+DENY = frozenset({"reduce", "reduce_precision_window"}) | COLLECTIVES
 #: ops that call their one region with their operands and are kept as ops (not inlined)
 _REGION_CALLS = frozenset({"remat2", "checkpoint", "remat", "custom_lin"})
 #: the scatter family: a combiner region (scalar, not a loop) and ``ScatterDimensionNumbers``
@@ -606,6 +606,11 @@ class _Padder:
             self.update_onto_static(op, {a: s for a, s in pads[1].items() if a not in pads[0]},
                                     operands)
             return
+        if any_pad and op.name == "fft":
+            self.check_fft(op, pads[0])
+            results = tuple(self.new(r) for r in op.results)
+            self.ops.append(op.replace(operands=tuple(operands), results=results, attrs=attrs))
+            return
         if any_pad and op.name in DENY:
             raise PaddingError(
                 f"padding: {op.name} over a value with a padded (dynamic) dim "
@@ -832,6 +837,21 @@ class _Padder:
             b = op.operands[1].type.rank - (2 if op.attr("left_side") else 1)
             operands[1] = self.mask(operands[1], b, sym, "0", op)
         return operands
+
+    @staticmethod
+    def check_fft(op: Op, pads: dict[int, str]) -> None:
+        """An FFT over the last ``len(fft_lengths)`` axes: exact when only the axes before
+        them are padded (each row is its own transform, padded rows stay padding; the
+        ``rfft`` of a batch of signals); along a padded axis it would transform the
+        bucket's length, an error."""
+        rank = op.operands[0].type.rank
+        along = [a for a in sorted(pads) if a >= rank - len(op.attr("fft_lengths"))]
+        if along:
+            raise PaddingError(
+                f"padding: fft along axis {along[0]} (dynamic dim {pads[along[0]]}) of "
+                f"{op.operands[0].type} cannot be made exact (it would transform the "
+                f"bucket's length); keep that axis static (RunOptions(dynamic_dims=...)) "
+                f"({_loc(op)})")
 
     @staticmethod
     def cumulative_sym(op: Op, pads: list[dict[int, str]]) -> str | None:
