@@ -129,24 +129,41 @@ def _model_axes() -> bool:
     return any(a != REPLICA_AXIS and n > 1 for a, n in zip(mesh.axis_names, mesh.axis_sizes))
 
 
+def _unsplit_along(op: Op, args: list[Any], dims: list[bool]) -> list[Any]:
+    """``op`` bound with its operands and results unsplit over the logical devices along
+    ``dims`` (a flag per dim; the same rank for every operand and result), the other dims
+    as XLA's propagation leaves them; as it is with K = 1."""
+    if not _model_axes():
+        return _bind(op, args)
+    spec = P(*[None if d else P.UNCONSTRAINED for d in dims])
+    sharding = NamedSharding(jax.sharding.get_abstract_mesh(), spec)
+    return [lax.with_sharding_constraint(r, sharding)
+            for r in _bind(op, [lax.with_sharding_constraint(a, sharding) for a in args])]
+
+
 @rule("select_and_scatter_add")
 def _select_and_scatter_add(op: Op, args: list[Any]) -> list[Any]:
     """The gradient of a max or min ``reduce_window`` (max pooling), with K > 1 logical
-    devices: its operands unsplit along the windowed dims first. XLA's SPMD partitioner
-    gives wrong numbers for a select-and-scatter split along a dim whose windows overlap
-    (``jax.jit`` with the same sharding constraint gives the same wrong gradient: a window
-    of 3, stride 1, ``SAME``, split in two, sent some rows' gradient to the wrong element);
-    the other dims stay as XLA's propagation leaves them."""
-    if _model_axes():
-        mesh = jax.sharding.get_abstract_mesh()
-        windowed = [w > 1 or s != 1 or tuple(p) != (0, 0) for w, s, p in zip(
-            op.attr("window_dimensions"), op.attr("window_strides"), op.attr("padding"))]
-        spec = P(*[None if w else P.UNCONSTRAINED for w in windowed])
-        unsplit = lambda a: lax.with_sharding_constraint(a, NamedSharding(mesh, spec))  # noqa: E731
-        # (the result too: JAX pads the operand inside the op's lowering, and XLA's
-        # propagation split the padded operand from the result's side)
-        return [unsplit(r) for r in _bind(op, [unsplit(a) for a in args])]
-    return _bind(op, args)
+    devices: unsplit along the windowed dims. XLA's SPMD partitioner gives wrong numbers
+    for a select-and-scatter split along a dim whose windows overlap (``jax.jit`` with
+    the same sharding constraint gives the same wrong gradient: a window of 3, stride 1,
+    ``SAME``, split in two, sent some rows' gradient to the wrong element). The result is
+    constrained too: JAX pads the operand inside the op's lowering, and XLA's propagation
+    split the padded operand from the result's side."""
+    return _unsplit_along(op, args, [w > 1 or s != 1 or tuple(p) != (0, 0) for w, s, p in zip(
+        op.attr("window_dimensions"), op.attr("window_strides"), op.attr("padding"))])
+
+
+@rule("fft")
+def _fft(op: Op, args: list[Any]) -> list[Any]:
+    """An FFT, with K > 1 logical devices: unsplit along its transformed (last) axes.
+    XLA:CPU aborted the call of a complex FFT split along them (``RET_CHECK ...
+    IsMonotonicWithDim0Major`` in its FFT thunk; ``jax.jit`` of inputs sharded so too);
+    the partitioner gathers those axes for the transform anyway."""
+    rank, n = len(args[0].shape), len(op.attr("fft_lengths"))
+    if len(op.results[0].type.shape) != rank:
+        return _bind(op, args)
+    return _unsplit_along(op, args, [d >= rank - n for d in range(rank)])
 
 
 @rule("reduce_scatter")

@@ -500,3 +500,32 @@ def test_gradient_of_max_pooling_along_a_split_dim(name, n, k):
     got = rt.replicate(jax.grad(loss), num_replicas=n, logical_devices=k)(w, rt.PerReplica(xs))
     want = np.mean([jax.jit(jax.grad(lambda w, x: loss(w, x, False)))(w, x) for x in xs], 0)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_complex_fft_along_a_split_dim(axis, k):
+    """A complex FFT of a value split over the logical devices along its transformed
+    axis (or the other), forward and the gradient of a mirrored weight: one device's
+    numbers. Before: XLA:CPU failed the call (``RET_CHECK ... IsMonotonicWithDim0Major``
+    in its FFT thunk; ``jax.jit`` of inputs sharded so too; found by a probe): the
+    transformed axes are unsplit for the op (``compiler.lower``)."""
+    w = np.linspace(0.5, 1.5, 8).astype(np.float32)
+    xs = [np.random.RandomState(1 + r).randn(8, 8).astype(np.float32) for r in range(2)]
+
+    def f(w, x, split=True):
+        v = x * w
+        if split:
+            v = rt.split_to_logical_devices(v, [1, k] if axis else [k, 1])
+        return jnp.abs(jnp.fft.fft(v, axis=1)) ** 2
+
+    def step(w, x, split=True):
+        return jax.value_and_grad(lambda w: jnp.mean(f(w, x, split)))(w)
+    out = rt.replicate(lambda w, x: (f(w, x), step(w, x)[1]), num_replicas=2,
+                       logical_devices=k)(w, rt.PerReplica(xs))
+    for r, x in enumerate(xs):
+        np.testing.assert_allclose(np.asarray(out[0].values[r]),
+                                   np.asarray(jax.jit(lambda w, x: f(w, x, False))(w, x)),
+                                   rtol=1e-4, atol=1e-4)
+    want = np.mean([jax.jit(lambda w, x: step(w, x, False)[1])(w, x) for x in xs], 0)
+    np.testing.assert_allclose(np.asarray(out[1]), want, rtol=1e-4, atol=1e-5)
