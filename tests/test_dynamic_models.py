@@ -221,8 +221,15 @@ CUMULATIVE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CUMULATIVE))
-@pytest.mark.parametrize("n", [1, 2])
+def pytest_generate_tests(metafunc):
+    if metafunc.function.__name__ == "test_cumulative_ops_and_their_gradients_over_the_padded_axis":
+        # every op on 1 and 2 replicas with --long; else each on one of them, in turn
+        # (both paths visited by the family; the suite keeps to its 10 minutes)
+        long = metafunc.config.getoption("--long")
+        metafunc.parametrize("name,n", [(name, n) for i, name in enumerate(sorted(CUMULATIVE))
+                                        for n in (1, 2) if long or n == 1 + i % 2])
+
+
 def test_cumulative_ops_and_their_gradients_over_the_padded_axis(name, n):
     f = CUMULATIVE[name]
 

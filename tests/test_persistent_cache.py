@@ -102,6 +102,7 @@ def test_second_process_compiles_nothing(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "flip"])
 def test_corrupt_record_warns_and_recompiles(tmp_path, damage):
+    import shutil
     cache = tmp_path / "cache"
     first, _ = _run(tmp_path, cache)
     (rec,) = [cache / "rt" / f for f in os.listdir(cache / "rt") if f.endswith(".rec")]
@@ -120,12 +121,13 @@ def test_corrupt_record_warns_and_recompiles(tmp_path, damage):
     assert second["compiles"] == 0 and second["info"][3] == 1
     assert any("recompiling" in w and str(rec) in w for w in second["warnings"]), second
     assert second["w"] == first["w"]
+    if damage != "flip":  # (what follows is the same after every damage)
+        return
     third, _ = _run(tmp_path, cache)  # the bad record was replaced by a readable one
     assert third["compiles"] == 0 and not third["warnings"]
     assert third["w"] == first["w"]
     # with JAX's cache gone as well, a corrupt record means a real compile
     rec.write_bytes(b"RTCACHE1\n" + b"0" * 64 + b"\n" + b"junk")
-    import shutil
     shutil.rmtree(cache / "xla")
     fourth, _ = _run(tmp_path, cache)
     assert fourth["compiles"] == 1 and fourth["info"][3:] == [0, 1]
