@@ -882,7 +882,13 @@ def trace_context() -> tuple:
 
 def weak_constant(value: np.ndarray) -> Any:
     """``value`` as a weak-typed constant of the current trace (a NumPy array is a
-    strong one)."""
+    strong one): a constant of the jaxpr being traced with a weak type, else JAX's
+    cast of it to a weak type (which folds into one)."""
+    trace = _core.trace_ctx.trace
+    if type(trace) is _pe.DynamicJaxprTrace:
+        c = _dtypes.canonicalize_value(value)
+        return trace.new_const(c, current_source_info(),
+                               _core.typeof(c).update(weak_type=True))
     from jax._src.lax import lax as _lax
     return _lax._convert_element_type(value, weak_type=True)
 
