@@ -22,6 +22,7 @@ from ir import _jax_compat as jc
 from ir.graph import NOTE_ATTRS, Graph, Op, Opaque, RegionRef
 from ir.jaxpr_import import REPLICA_AXIS
 from ir.ops import COLLECTIVES
+from ir.types import Replica
 from compiler.mesh import logical_devices_of, partition_spec
 
 Rule = Callable[[Op, list[Any]], list[Any]]
@@ -152,6 +153,43 @@ def _select_and_scatter_add(op: Op, args: list[Any]) -> list[Any]:
     split the padded operand from the result's side."""
     return _unsplit_along(op, args, [w > 1 or s != 1 or tuple(p) != (0, 0) for w, s, p in zip(
         op.attr("window_dimensions"), op.attr("window_strides"), op.attr("padding"))])
+
+
+@rule("conv_general_dilated")
+def _conv(op: Op, args: list[Any]) -> list[Any]:
+    """A convolution whose kernel is not a weight (per-replica data: the gradient of a
+    kernel, ``jnp.convolve(a, a[:4])``; or one whose output window is smaller than its
+    kernel's, or with batch groups), with K > 1 logical devices: unsplit along the
+    spatial dims (and the batch dim of batch groups). XLA's SPMD partitioner gave wrong
+    numbers for such a convolution with spatial dims split: 2x when the value is split
+    along a spatial dim and copied over the other devices (``partial=True``), or split
+    along H and C with an output taller than the input; half the kernel gradient zero
+    with ``batch_group_count=2`` and the batch split (the gradient's convolution has
+    feature groups over the batch: its feature dim unsplit too; ``jax.jit`` with the same
+    sharding constraints: the same numbers; found by a probe). A convolution of data
+    with a weight (forward, the data's gradient) keeps its spatial split (halo exchange,
+    which XLA gets right)."""
+    if not _model_axes() or len(op.results) != 1:
+        return _bind(op, args)
+    dn = op.attr("dimension_numbers")
+    lhs_spec, rhs_spec, out_spec = (getattr(dn, f, None) for f in ("lhs_spec", "rhs_spec", "out_spec"))
+    if lhs_spec is None:
+        return _bind(op, args)
+    groups = (op.attr("batch_group_count") or 1) > 1
+    rhs_shape, out_shape = op.operands[1].type.shape, op.results[0].type.shape
+    small = any(out_shape[o] < rhs_shape[r] for o, r in zip(out_spec[2:], rhs_spec[2:]))
+    if op.operands[1].type.replica is not Replica.VARYING and not groups and not small:
+        return _bind(op, args)
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def unsplit(x, dims):
+        spec = P(*[None if d in dims else P.UNCONSTRAINED for d in range(len(x.shape))])
+        return lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    grouped = (op.attr("feature_group_count") or 1) > 1  # (the kernel gradient of batch groups)
+    lhs = unsplit(args[0], set(lhs_spec[2:]) | ({lhs_spec[0]} if groups else set())
+                  | ({lhs_spec[1]} if grouped else set()))
+    rhs = unsplit(args[1], set(rhs_spec[2:]))
+    return [unsplit(r, set(out_spec[2:])) for r in _bind(op, [lhs, rhs])]
 
 
 @rule("fft")

@@ -529,3 +529,53 @@ def test_complex_fft_along_a_split_dim(axis, k):
                                    rtol=1e-4, atol=1e-4)
     want = np.mean([jax.jit(lambda w, x: step(w, x, False)[1])(w, x) for x in xs], 0)
     np.testing.assert_allclose(np.asarray(out[1]), want, rtol=1e-4, atol=1e-5)
+
+
+def _conv(padding="SAME", **kw):
+    return lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"), **kw)
+
+
+_CONVS = {  # name: (k, split of x, partial, kernel shape, conv, kernel made from the data)
+    "kernel_grad_split_h_partial": (4, [1, 2, 1, 1], True, (3, 3, 4, 4), _conv(), False),
+    "kernel_grad_split_h_and_c_taller_output": (4, [1, 2, 1, 2], False, (5, 1, 4, 4),
+                                                _conv(((4, 4), (0, 0))), False),
+    "kernel_grad_batch_groups": (2, [2, 1, 1, 1], False, (3, 3, 4, 4),
+                                 _conv(batch_group_count=2), False),
+    "data_kernel_of_a_slice": (4, [1, 2, 1, 2], False, None, None, True),
+    "kernel_grad_split_h": (2, [1, 2, 1, 1], False, (3, 3, 4, 4), _conv(), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CONVS))
+def test_convolutions_of_spatially_split_data(name):
+    """Convolutions whose kernel is per-replica data (a kernel's gradient, ``jnp.convolve``
+    of a row with its own first elements) or with batch groups, on data split along
+    spatial dims: one device's numbers. Found by a probe: XLA's partitioner gave 2x
+    (a split along H copied over the other devices; H and C split with an output taller
+    than the input; a ``[1, 2, 2]`` split cut to one channel) and half a kernel gradient
+    zero (batch groups, the batch split); ``jax.jit`` with the same constraints too
+    (``compiler.lower``'s rule unsplits the spatial dims of such a convolution). Oracle:
+    ``jax.jit`` on one device."""
+    k, dims, partial, wshape, conv, data_kernel = _CONVS[name]
+    split = rt.split_to_logical_devices
+    r = np.random.RandomState(0)
+    if data_kernel:
+        x = r.randn(2, 8, 2, 2).astype(np.float32)
+
+        def f(h):
+            return jax.vmap(lambda a: jnp.convolve(a, a[:4], mode="same"))(h[..., 1, 1])
+        got = rt.replicate(lambda h: f(split(h, dims)), num_replicas=1, logical_devices=k)(
+            rt.distribute(x, 1))
+        np.testing.assert_allclose(np.asarray(got.values[0]), np.asarray(jax.jit(f)(x)),
+                                   rtol=1e-5, atol=1e-5)
+        return
+    x = r.randn(2, 8, 8, 4).astype(np.float32)
+    w = r.randn(*wshape).astype(np.float32)
+
+    def loss(w, x):
+        return jnp.sum(conv(x, w) ** 2)
+    got = rt.replicate(lambda w, x: jax.grad(loss)(w, split(x, dims, partial=partial)),
+                       num_replicas=1, logical_devices=k)(w, rt.distribute(x, 1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(jax.grad(loss))(w, x)),
+                               rtol=1e-4, atol=1e-3)
