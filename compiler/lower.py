@@ -131,15 +131,18 @@ def _model_axes() -> bool:
 
 
 def _unsplit_along(op: Op, args: list[Any], dims: list[bool]) -> list[Any]:
-    """``op`` bound with its operands and results unsplit over the logical devices along
-    ``dims`` (a flag per dim; the same rank for every operand and result), the other dims
-    as XLA's propagation leaves them; as it is with K = 1."""
-    if not _model_axes():
+    """``op`` bound with its operands and results of ``len(dims)`` dims unsplit over the
+    logical devices along ``dims`` (a flag per dim), the other dims as XLA's propagation
+    leaves them (operands of another rank, a ``pad``'s scalar, as they are); as it is
+    with K = 1 or nothing to unsplit."""
+    if not _model_axes() or not any(dims):
         return _bind(op, args)
     spec = P(*[None if d else P.UNCONSTRAINED for d in dims])
     sharding = NamedSharding(jax.sharding.get_abstract_mesh(), spec)
-    return [lax.with_sharding_constraint(r, sharding)
-            for r in _bind(op, [lax.with_sharding_constraint(a, sharding) for a in args])]
+
+    def unsplit(x):
+        return lax.with_sharding_constraint(x, sharding) if len(x.shape) == len(dims) else x
+    return [unsplit(r) for r in _bind(op, [unsplit(a) for a in args])]
 
 
 @rule("select_and_scatter_add")
@@ -190,6 +193,46 @@ def _conv(op: Op, args: list[Any]) -> list[Any]:
                   | ({lhs_spec[1]} if grouped else set()))
     rhs = unsplit(args[1], set(rhs_spec[2:]))
     return [unsplit(r, set(out_spec[2:])) for r in _bind(op, [lhs, rhs])]
+
+
+@rule("pad")
+def _pad(op: Op, args: list[Any]) -> list[Any]:
+    """A ``pad`` with K > 1 logical devices: unsplit along each dim whose padding both cuts
+    (a negative low or high) and interleaves (interior): XLA's partitioner aborted the
+    process on one split there (``spmd_partitioner.cc:1115``; ``jax.jit`` with the same
+    constraint too; found by a probe)."""
+    return _unsplit_along(op, args, [(lo < 0 or hi < 0) and interior > 0
+                                     for lo, hi, interior in op.attr("padding_config")])
+
+
+#: ops XLA's partitioner aborts the process on (``spmd_partitioner_util.cc:497``,
+#: ``partition_group_list``) when the replicas are a manual axis of two or more devices
+#: and the value is split over two model axes (K = 4 as 2 x 2): ``jax.jit`` of
+#: ``shard_map`` manual over the replicas does too; a global ``jax.jit`` does not
+_TWO_AXIS_ABORTS = ("gather", "scatter", "scatter-add", "scatter-mul", "scatter-min",
+                    "scatter-max", "sort", "lu", "cholesky", "triangular_solve", "qr", "eigh",
+                    "svd", "eig", "geqrf", "householder_product")
+
+
+@rule(*_TWO_AXIS_ABORTS)
+def _replicated_on_two_model_axes(op: Op, args: list[Any]) -> list[Any]:
+    """One of :data:`_TWO_AXIS_ABORTS`, on N > 1 replicas with two or more model axes:
+    its operands and results replicated over the replica's logical devices (a found
+    abort: a gather from a table split ``[2, 2]`` on 2 replicas x 4 logical devices;
+    numbers unchanged, the split kept elsewhere)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if sizes.get(REPLICA_AXIS, 1) < 2 or sum(
+            1 for a, n in sizes.items() if a != REPLICA_AXIS and n > 1) < 2:
+        if op.name == "sort":  # (XLA's partitioner aborted a sort along a split axis of
+            # an uneven length, 8 split in two then cut to 7, under grad; the partitioner
+            # gathers the sorted axis anyway)
+            rank = len(args[0].shape)
+            return _unsplit_along(op, args, [d == op.attr("dimension") for d in range(rank)])
+        return _bind(op, args)
+    whole = NamedSharding(mesh, P())
+    return [lax.with_sharding_constraint(r, whole) for r in _bind(
+        op, [lax.with_sharding_constraint(a, whole) for a in args])]
 
 
 @rule("fft")

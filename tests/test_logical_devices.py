@@ -579,3 +579,43 @@ def test_convolutions_of_spatially_split_data(name):
                        num_replicas=1, logical_devices=k)(w, rt.distribute(x, 1))
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(jax.grad(loss))(w, x)),
                                rtol=1e-4, atol=1e-3)
+
+
+_W6 = np.random.RandomState(1).randn(6).astype(np.float32)
+_IDS = np.random.RandomState(2).randint(0, 16, size=(2, 8))
+
+
+def _gather_two_axes(h, split=lambda v, d: v):
+    """A table split over both model axes read at indices, times a value split so."""
+    table = split(h[:, :8], [2, 2])
+    return table[_IDS] * split(jnp.tanh(h[:2, :8])[:, :, None] * h[0, :8], [1, 2, 2])
+
+
+_ABORTS = {  # name: (n, k, f(h, split)); h: (16, 8) per replica; found by a probe
+    "pad_cutting_and_interleaving": (1, 2, lambda h, split: jax.lax.pad(
+        split(h, [2, 1]), 0.5, ((-1, 2, 1), (0, 0, 0)))),
+    "sort_grad_along_an_uneven_cut": (1, 2, lambda h, split: jax.grad(lambda h: jnp.sum(
+        jnp.sort(split(h, [2, 1])[1:], axis=0) * jnp.arange(15.0)[:, None]))(h)),
+    "gather_from_two_axes_on_two_replicas": (2, 4, _gather_two_axes),
+    "sort_grad_on_two_axes_on_two_replicas": (2, 4, lambda h, split: jax.grad(
+        lambda w: jnp.sum(jnp.sin(jnp.sort(split(h[:, :6], [2, 2]) * w, 0))))(_W6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ABORTS))
+def test_ops_xla_aborted_on_split_values(name):
+    """Ops on split values where XLA's partitioner aborted the whole process (a negative
+    and interior ``pad`` of a split dim; the gradient of a sort along a split axis cut to
+    an uneven length; a gather, or a sort's gradient, of values split over both model
+    axes of K = 4 on 2 replicas, which ``jax.jit`` of ``shard_map`` over the replicas
+    aborts too): they run, with one device's numbers (``compiler.lower`` unsplits them).
+    Oracle: ``jax.jit`` on one device."""
+    n, k, f = _ABORTS[name]
+    xs = [np.random.RandomState(r).randn(16, 8).astype(np.float32) for r in range(n)]
+    got = rt.replicate(lambda h: f(h, rt.split_to_logical_devices), num_replicas=n,
+                       logical_devices=k)(rt.PerReplica(xs))
+    want = [np.asarray(jax.jit(lambda h: f(h, lambda v, d: v))(x)) for x in xs]
+    if not isinstance(got, rt.PerReplica):  # (a mirrored weight's gradient: the mean)
+        got, want = rt.PerReplica([got]), [np.mean(want, 0)]
+    for g, w in zip(got.values, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-6)
