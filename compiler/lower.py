@@ -283,7 +283,7 @@ def _remat(op: Op, args: list[Any]) -> list[Any]:
         return list(fn(*args))
 
 
-@rule("all_gather")
+@rule("all_gather", "all_gather_invariant")
 def _all_gather(op: Op, args: list[Any]) -> list[Any]:
     if _single_replica() and op.attr("axis_name") in ((REPLICA_AXIS,), REPLICA_AXIS):
         x = args[0]
@@ -729,7 +729,7 @@ class _Stager:
 
 #: ops whose rule stages the same equations for the same attributes and operand types
 #: (the platform and the mesh being those of the graph ``build_jitted`` lowers)
-_REPLAYED = frozenset({"all_reduce", "all_gather", "all_to_all"})
+_REPLAYED = frozenset({"all_reduce", "all_gather", "all_gather_invariant", "all_to_all"})
 
 #: the stager of the graph ``build_jitted`` is lowering (``None`` outside it)
 _STAGER: contextvars.ContextVar[_Stager | None] = contextvars.ContextVar("stager", default=None)

@@ -880,6 +880,13 @@ def trace_context() -> tuple:
     return (_config.trace_context(), jax.sharding.get_abstract_mesh())
 
 
+def all_gather_invariant(x: Any, axis_name: Any, *, axis: int, tiled: bool) -> Any:
+    """JAX's ``all_gather`` typed identical on every device of ``axis_name`` (its result
+    is; JAX's public ``all_gather`` types it varying)."""
+    from jax._src.lax import parallel
+    return parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+
+
 def weak_constant(value: np.ndarray) -> Any:
     """``value`` as a weak-typed constant of the current trace (a NumPy array is a
     strong one): a constant of the jaxpr being traced with a weak type, else JAX's

@@ -12,6 +12,7 @@ from __future__ import annotations
 #: (``None``: variadic)
 OUR_OPS: dict[str, int | None] = {
     "constant": 0, "replica_id": 0, "all_reduce": None, "all_gather": 1, "all_to_all": 1,
+    "all_gather_invariant": 1,
     "cast_varying": None, "loss_scale": 1, "shard": 1, "pad_mask": 2, "pad_index": 2,
     "dim_value": None, "dim_as_value": 0,
 }

@@ -17,7 +17,7 @@ from ir.printer import print_op_context, value_names
 from ir.types import Replica
 
 # Ops whose results are identical on every replica even when operands vary.
-REPLICA_REDUCING_OPS = frozenset({"all_reduce", "all_gather"})
+REPLICA_REDUCING_OPS = frozenset({"all_reduce", "all_gather", "all_gather_invariant"})
 
 _ELEMENTWISE = {
     "add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "and", "or", "xor",

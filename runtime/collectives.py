@@ -99,7 +99,11 @@ def all_gather(x: Any, axis: int = 0, tiled: bool = True) -> Any:
                              f"{tuple(np.shape(leaf))} (rank {len(np.shape(leaf))}); "
                              + ("to gather scalars, use tiled=False or reshape them to (1,) "
                                 if tiled else "") + f"({user_line(__file__)})")
-    return lax.all_gather(x, current_axis(), axis=axis, tiled=tiled)
+    # (typed identical on every replica, as it is: JAX's ``all_gather`` types its result
+    # per replica, so a state leaf that mixes it with a gradient became a per-replica loop
+    # carry under steps_per_call > 1 or a user's loop, and the gradient there each
+    # replica's own, unreduced; found by a probe)
+    return jc.all_gather_invariant(x, current_axis(), axis=axis, tiled=tiled)
 
 
 def psum_scatter(x: Any, scatter_dimension: int = 0, tiled: bool = True) -> Any:

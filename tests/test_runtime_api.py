@@ -596,3 +596,35 @@ def test_results_keep_jax_jits_weak_types():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert [w.weak_type for w in want] == [False, True, True]
     assert (jnp.ones(3, jnp.bfloat16) * got[1]).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("loop", ["steps_per_call", "fori_loop"])
+def test_all_gather_of_a_gradient_in_the_state_of_a_loop(loop):
+    """A state leaf updated from a gradient and ``rt.all_gather`` (identical on every
+    replica) inside a loop (``steps_per_call=2``, or a ``fori_loop`` in the step): the
+    numbers of two calls of one step, and of pmap. Before: JAX typed the gather's result
+    per replica, so the loop carry became per replica and its gradient each replica's own,
+    unreduced (four different states; found by a probe)."""
+    n, k = 4, 2
+    rng = np.random.RandomState(1)
+    xs = [rng.randn(8, 4).astype(np.float32) for _ in range(k)]
+
+    def lf(w, x):
+        return jnp.mean((x @ w - 1.0) ** 2)
+
+    def step(w, x):
+        g = jax.grad(lf)(w, x)
+        return w - 0.05 * g + 1e-3 * jnp.sum(rt.all_gather(g[None], axis=0), 0), jnp.float32(0)
+    want = np.ones(4, np.float32)
+    for x in xs:
+        g = np.mean([np.asarray(jax.grad(lf)(want, xr)) for xr in np.split(x, n)], 0)
+        want = want - 0.05 * g + 1e-3 * n * g
+    if loop == "steps_per_call":
+        got, _ = rt.replicate(step, num_replicas=n, steps_per_call=k)(
+            jnp.ones(4), rt.distribute_steps(xs, n))
+    else:
+        got, _ = rt.replicate(lambda w, xk: (jax.lax.fori_loop(
+            0, k, lambda i, w: step(w, xk[i])[0], w), 0.0), num_replicas=n)(
+            jnp.ones(4), rt.distribute_steps(xs, n))
+    assert not isinstance(got, rt.PerReplica)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)

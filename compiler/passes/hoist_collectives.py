@@ -62,7 +62,7 @@ _COMBINED = frozenset({"scatter-add", "scatter_add", "scatter", "scatter-mul", "
 
 def is_collective(op: Op) -> bool:
     """Does ``op`` communicate across replicas?"""
-    if op.name in ("all_reduce", "all_gather", "all_to_all"):
+    if op.name in ("all_reduce", "all_gather", "all_gather_invariant", "all_to_all"):
         return True
     if op.name not in COLLECTIVES:
         return False

@@ -36,6 +36,7 @@ RULES: dict[str, Callable[[list[Replica], Op], list[Replica]]] = {
     # identical everywhere, unless only within groups of replicas (``axis_index_groups``)
     "all_reduce": lambda reps, op: [V if op.attr("axis_index_groups") else M] * len(op.results),
     "all_gather": lambda reps, op: [V if op.attr("axis_index_groups") else M] * len(op.results),
+    "all_gather_invariant": lambda reps, op: [M] * len(op.results),
     "replica_id": lambda reps, op: [V] * len(op.results),
     "all_to_all": lambda reps, op: [V] * len(op.results),
     # each replica gets its own block / its neighbour's value
