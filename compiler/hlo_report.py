@@ -39,7 +39,7 @@ __all__ = ["Collective", "HloReportError", "KINDS", "collectives", "summarize", 
 
 #: The collective kinds reported, by their HLO opcode.
 KINDS: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                          "collective-permute")
+                          "collective-permute", "ragged-all-to-all")
 
 # Bytes per element of XLA's primitive types. 4-bit types count half a byte and the
 # total is rounded up; tokens carry no data.
@@ -523,10 +523,21 @@ _WHILE_RE = re.compile(r"\bwhile\(.*?\bbody=%?(?P<body>[\w.\-]+)")
 _TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 
 
+#: attributes naming the computations an instruction calls once per run of it
+_CALLED_RE = re.compile(r"\b(?:to_apply|true_computation|false_computation|calls)=%?"
+                        r"(?P<name>[\w.\-]+)")
+_BRANCHES_RE = re.compile(r"\bbranch_computations=\{(?P<names>[^}]*)\}")
+
+
 def _trips(lines: list[str]) -> dict[str, int | None]:
-    """Per ``while`` body computation: how many times it runs per call (the known trip
-    counts of it and the loops around it multiplied; ``None`` when one is unknown)."""
-    own: dict[str, tuple[str, int | None]] = {}  # body -> (computation holding it, trips)
+    """Per computation run in a ``while`` loop: how many times it runs per call (the
+    known trip counts of the loops around it multiplied; ``None`` when one is unknown).
+    A loop's body runs its trip count per run of the computation holding the loop; a
+    ``conditional``'s branches and a ``call``'s computation at most once per run of
+    theirs (a collective in a ``cond`` branch inside a ``scan`` ran in every iteration,
+    and was counted once; found by a probe)."""
+    # computation -> (computation holding the instruction that runs it, runs per run)
+    own: dict[str, tuple[str, int | None]] = {}
     computation = ""
     for line in lines:
         if (c := _COMPUTATION_RE.match(line)) and "=" not in line.split("(")[0]:
@@ -535,12 +546,18 @@ def _trips(lines: list[str]) -> dict[str, int | None]:
         if (w := _WHILE_RE.search(line)) and " while(" in line:
             n = _TRIP_RE.search(line)
             own[w.group("body")] = (computation, int(n.group("n")) if n else None)
+            continue
+        for m in _CALLED_RE.finditer(line):
+            own.setdefault(m.group("name"), (computation, 1))
+        if (b := _BRANCHES_RE.search(line)):
+            for name in b.group("names").split(","):
+                own.setdefault(name.strip().lstrip("%"), (computation, 1))
 
-    def total(body: str, depth: int = 0) -> int | None:
-        parent, n = own[body]
+    def total(name: str, depth: int = 0) -> int | None:
+        parent, n = own[name]
         outer = total(parent, depth + 1) if parent in own and depth < 64 else 1
         return None if n is None or outer is None else n * outer
-    return {body: total(body) for body in own}
+    return {name: total(name) for name in own}
 
 
 _WHILE_BODY_RE = re.compile(r"\bwhile\(.*?\bbody=%?(?P<name>[\w.\-]+)")
@@ -586,7 +603,7 @@ def summarize(report: Iterable[Collective]) -> str:
                  r[2].ljust(widths[2]), r[3].ljust(widths[3]), r[4]]
         lines.append("  ".join(cells).rstrip())
     loops = f" ({unknown} in loops of unknown trip count left out)" if unknown else ""
-    lines.append(f"{len(items)} collective(s), {total} bytes per device per step{loops}"
+    lines.append(f"{len(items)} collective(s), {total} bytes per device per call{loops}"
                  + ("; x N: in a loop that runs N times" if any(c.trips != 1 for c in items)
                     else ""))
     return "\n".join(lines)

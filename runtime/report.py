@@ -275,7 +275,7 @@ def summary(report: dict[str, Any]) -> str:
         lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)).rstrip() for r in rows]
     step_bytes = sum(c.get("step_bytes", c["bytes"]) or 0 for c in cols)
     unknown = sum(1 for c in cols if c.get("trips", 1) is None)
-    lines.append(f"  {len(cols)} collective(s), {step_bytes} bytes per device per step"
+    lines.append(f"  {len(cols)} collective(s), {step_bytes} bytes per device per call"
                  + (f" ({unknown} in loops of unknown trip count left out)" if unknown else "")
                  + ("; x N: in a loop that runs N times"
                     if any(c.get("trips", 1) != 1 for c in cols) else ""))

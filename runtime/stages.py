@@ -1,6 +1,7 @@
 """Ahead-of-time stages, named as in ``jax.stages``: ``Lowered`` and ``Compiled``."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TYPE_CHECKING
 
 from compiler import hlo_report, sharding_view
@@ -161,7 +162,7 @@ class Compiled:
         cost = self.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
         mesh = self._program.owner.mesh
-        return _tpu.roofline(cost, self.collectives(), chip, tuple(mesh.devices.shape),
+        return _tpu.roofline(cost, self._collectives_per_step(), chip, tuple(mesh.devices.shape),
                              tuple(mesh.axis_names),
                              _tpu._devices_per_chip(lay.devices_nk.flat) if chip_matches(chip, d)
                              else 1)
@@ -173,8 +174,26 @@ class Compiled:
         return hlo_report.collectives(self.as_text())
 
     def collectives_table(self) -> str:
-        """``collectives()`` as an aligned text table."""
-        return hlo_report.summarize(self.collectives())
+        """``collectives()`` as an aligned text table; with ``steps_per_call`` k > 1, also
+        the bytes of one step (the table's total is per call: k steps)."""
+        text = hlo_report.summarize(self.collectives())
+        k = self._program.owner.steps_per_call
+        if k > 1:
+            per_step = sum(c.step_bytes or 0 for c in self._collectives_per_step())
+            text += f"\n{k} steps per call: {per_step} bytes per device per step"
+        return text
+
+    def _collectives_per_step(self) -> list[Collective]:
+        """``collectives()`` with those of the ``steps_per_call`` loop counted once (their
+        trips divided by its k), as XLA's cost analysis counts the flops of a loop's body
+        once: the roofline's compute and collective times are then both one step's
+        (before: one step's flops with k steps' collective bytes; found by a probe)."""
+        k = self._program.owner.steps_per_call
+        out = self.collectives()
+        if k == 1:
+            return out
+        return [dataclasses.replace(c, trips=c.trips // k)
+                if c.trips is not None and c.trips >= k and c.trips % k == 0 else c for c in out]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._program.owner._run(self._program, args, kwargs)

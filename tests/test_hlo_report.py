@@ -143,7 +143,7 @@ def test_summary_and_json(shard_map_hlo: str) -> None:
     for line in lines[1:-1]:
         assert line[col:].startswith(base + ":")
     assert lines[-1] == (f"{len(report)} collective(s), {sum(c.bytes for c in report)} "
-                         f"bytes per device per step")
+                         f"bytes per device per call")
     data = to_json(report)
     assert json.loads(json.dumps(data)) == data
     assert data[0].keys() >= {"kind", "bytes", "replica_groups", "pairs", "source_line"}
@@ -314,7 +314,7 @@ def test_a_collective_in_a_loop_counts_once_per_iteration():
     assert summarize([c]).splitlines()[-1].startswith("1 collective(s), 640 bytes per device")
     from runtime.report import build_report, summary
     text = summary(build_report(compiled._program))
-    assert "64 x 10" in text and "640 bytes per device per step" in text
+    assert "64 x 10" in text and "640 bytes per device per call" in text
 
 
 def test_roofline_counts_a_collective_per_loop_iteration():
@@ -335,3 +335,55 @@ def test_roofline_counts_a_collective_per_loop_iteration():
     assert thrice.ici_s == pytest.approx(3 * once.ici_s)
     assert unknown.collective_bytes == 64 and unknown.loops_unknown == 1
     assert "trip count" in str(unknown) and "trip count" not in str(once)
+
+
+def test_a_collective_in_a_branch_inside_a_loop_counts_per_iteration():
+    """A collective in a ``lax.cond`` branch inside a ``lax.scan`` of 5 steps (the branch a
+    computation its loop body calls): counted for every iteration, as one directly in the
+    body (before: once; found by a probe)."""
+    import runtime as rt
+
+    def step(flag, x):
+        def body(h, _):
+            return jax.lax.cond(flag > 0, lambda h: rt.all_reduce(h, "sum") * 0.5,
+                                lambda h: h, h), None
+        return jax.lax.scan(body, x, None, length=5)[0]
+    compiled = rt.replicate(step, num_replicas=2).lower(
+        jnp.float32(1), rt.distribute(np.ones((8, 16), np.float32), 2)).compile()
+    (c,) = compiled.collectives()
+    assert (c.bytes, c.trips, c.step_bytes) == (256, 5, 1280)
+    assert compiled.roofline(chip="v5e").collective_bytes == 1280
+
+
+def test_steps_per_call_reports_per_call_and_per_step():
+    """With ``steps_per_call=3`` the table's total is per call (3 steps: 3 x 2048 bytes of
+    gradient all-reduce) and a line gives one step's; the roofline takes one step's
+    collective bytes, as XLA's cost analysis one step's flops (before: "per step" over
+    3 steps' bytes, and the roofline mixed the two; found by a probe)."""
+    import runtime as rt
+
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        return w - 0.1 * g, jnp.float32(0)
+    w = np.ones((16, 32), np.float32)
+    xs = [np.ones((8, 16), np.float32)] * 3
+    compiled = rt.replicate(step, num_replicas=4, steps_per_call=3).lower(
+        w, rt.distribute_steps(xs, 4)).compile()
+    table = compiled.collectives_table()
+    assert "6144 bytes per device per call" in table
+    assert table.splitlines()[-1] == "3 steps per call: 2048 bytes per device per step"
+    assert compiled.roofline(chip="v5e").collective_bytes == 2048
+
+
+def test_ragged_all_to_all_is_a_collective():
+    """``ragged-all-to-all`` (MoE token dispatch) is reported with its output buffer's
+    bytes (before: left out of every report; found by a probe)."""
+    text = """HloModule m
+
+ENTRY %main (p: f32[8,16]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %ra = f32[8,16]{1,0} ragged-all-to-all(%p, %p, %p, %p, %p, %p), replica_groups={{0,1}}
+}
+"""
+    (c,) = collectives(text)
+    assert (c.kind, c.bytes, c.replica_groups) == ("ragged-all-to-all", 512, ((0, 1),))

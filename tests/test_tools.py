@@ -121,6 +121,20 @@ def test_flops_of_a_cond_are_its_costliest_branch():
     assert op_flops(cond) == dot + 8 * 16  # (the tanh branch: its matmul and its tanh)
 
 
+def test_inspect_dynamic_bucket_is_a_multiple_of_the_logical_devices(tmp_path, capsys):
+    """With K = 3 logical devices the runtime's pow2 bucket of 12 rows is rounded up to a
+    multiple of 3 (16 -> 18); the report says the bucket the program compiled for (before:
+    the plain pow2 bucket; found by a probe)."""
+    out = tmp_path / "dyn3"
+    rc = tinspect.main([f"{MODELS}:dynamic_step", "--args", f"{MODELS}:dynamic_args",
+                        "--replicas", "2", "--logical-devices", "3", "--dynamic", "pow2",
+                        "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    pad = json.loads((out / "report.json").read_text())["padding_overhead"]
+    assert pad["real_rows"] == [12, 12] and pad["bucket"] == 18
+    assert pad["padded_fraction"] == pytest.approx(6 / 18)
+
+
 def test_inspect_dynamic_reports_the_bucket_and_padding(tmp_path, capsys):
     out = tmp_path / "dyn"
     rc = tinspect.main([f"{MODELS}:dynamic_step", "--args", f"{MODELS}:dynamic_args",

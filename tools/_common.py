@@ -290,7 +290,9 @@ def lower_step(ns: argparse.Namespace, target: str) -> tuple[Any, Any, list[str]
         args = jax.tree.map(lambda a: PerReplica([zeros(v) for v in a.values])
                             if isinstance(a, PerReplica) else zeros(a), args,
                             is_leaf=lambda a: isinstance(a, PerReplica))
-        ns.padding_overhead = _padding_overhead(args, make_bucketer(ns.dynamic), ns.dynamic)
+        # (the runtime's bucketer: rounded to a multiple of the logical devices)
+        ns.padding_overhead = _padding_overhead(
+            args, make_bucketer(ns.dynamic, ns.logical_devices), ns.dynamic)
     step = rt.replicate(fn, num_replicas=ns.replicas, logical_devices=ns.logical_devices,
                         devices=devices, loss_reduction=ns.loss_reduction,
                         options=rt.RunOptions(**opts))
