@@ -588,7 +588,10 @@ def check_stacked(sigs: tuple, k: int) -> None:
                     raise ValueError(
                         f"replicate(steps_per_call={k}): per-replica input leaf {j} of argument "
                         f"leaf {i} after the state has shape {tuple(s[0])}; each replica's value "
-                        f"must stack the {k} steps' batches on axis 0 (shape [{k}, ...])")
+                        f"must stack the {k} steps' batches on axis 0 (shape [{k}, ...]); "
+                        f"a per-replica value that is not a batch (a SyncOnRead "
+                        f"accumulator, per-replica statistics) belongs in the state, "
+                        f"argument 0, which the steps carry")
 
 
 def scan_steps(fn: Callable, args: tuple, mask: tuple, k: int, step_outputs: str) -> Any:

@@ -90,7 +90,9 @@ class SyncOnRead:
         fn = getattr(np, op)
 
         def red(*xs):
-            return fn(np.stack([np.asarray(x) for x in xs]), axis=0)
+            stacked = np.stack([np.asarray(x) for x in xs])
+            # (a sum keeps the counters' dtype: NumPy's promotes int32 to int64)
+            return fn(stacked, axis=0, dtype=stacked.dtype if op == "sum" else None)
         if local_view:
             return jax.tree.map(lambda *xs: across_processes(op, red, xs, None), *vals)
         return jax.tree.map(red, *vals)

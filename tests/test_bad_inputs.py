@@ -409,7 +409,7 @@ case("dyn-bucketing-none-without-bound", ValueError, r"bucketing='none'\) pads t
 
 
 # -- steps per call ------------------------------------------------------------------------------
-case("steps-not-stacked", ValueError, r"per-replica input leaf 0 of argument leaf 0 after the state has shape \(4, 3\); each replica's value must stack the 3 steps")(
+case("steps-not-stacked", ValueError, r"per-replica input leaf 0 of argument leaf 0 after the state has shape \(4, 3\); each replica's value must stack the 3 steps.*belongs in the state")(
     lambda: rt.replicate(lambda s, b: (s, b), num_replicas=2, steps_per_call=3)(jnp.ones(2), rt.distribute(np.ones((8, 3), np.float32), 2)))
 case("steps-returns-not-pair", TypeError, r"steps_per_call=2\): the step must return \(state, outputs\), got ArrayImpl|got DynamicJaxprTracer|got")(
     lambda: rt.replicate(lambda s, b: s, num_replicas=2, steps_per_call=2)(jnp.ones(2), rt.distribute_steps([X, X], 2)))

@@ -40,6 +40,8 @@ def test_accuracy_metric_equals_global_numpy(n):
     totals = [int(v["total"]) for v in acc.values]
     assert totals == [64 // n] * n
     got = acc.read()
+    # the counters keep their dtype (NumPy's sum would promote int32 to int64)
+    assert got["correct"].dtype == got["total"].dtype == np.int32
     want_correct = int(np.sum(np.argmax(x @ w, -1) == y))
     assert int(got["correct"]) == want_correct and int(got["total"]) == 64
     np.testing.assert_allclose(got["correct"] / got["total"], want_correct / 64)
