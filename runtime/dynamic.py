@@ -491,9 +491,11 @@ class DynamicPath:
         ckey = (key, jc.trace_context())  # the JAX context too (Replicated._call)
         prog = cache.get(ckey)
         if prog is None:
-            prog = cache.get_or_build(ckey, lambda: self.build(leaves, treedef, per_leaf, syms,
-                                                               buckets, bounds, key,
-                                                               statics).compile())
+            def build():
+                prog = self.build(leaves, treedef, per_leaf, syms, buckets, bounds, key, statics)
+                prog.dyn_padding = padding_report(self.options.bucketing, syms, sizes, buckets)
+                return prog.compile()
+            prog = cache.get_or_build(ckey, build)
             self._maybe_warn()
         return _Plan(prog, syms, buckets, pads, self.rep.num_replicas), tuple(sizes)
 
@@ -733,6 +735,20 @@ class DynamicPath:
 PLAN_MEMO_SIZE = 4096
 _tree_flatten = jax.tree_util.tree_flatten
 _PER_REPLICA = object()  # tags a per-replica leaf in a plan key (never equal to a signature)
+
+
+def padding_report(bucketing: Any, syms: tuple, sizes: list, buckets: dict) -> dict | None:
+    """The padding of the call a bucket's program was compiled for, as a dump's
+    ``report.json`` gives it (``padding_overhead``): each replica's real size of the first
+    dynamic dim, its bucket, and the padded share (before, a dynamic program's dump said
+    "no dynamic shapes"; found by a probe)."""
+    if not syms:
+        return None
+    rows = [int(s[syms[0]]) for s in sizes]
+    bucket = int(buckets[syms[0]])
+    return {"bucketing": bucketing if isinstance(bucketing, str) else repr(bucketing),
+            "real_rows": rows, "bucket": bucket,
+            "padded_fraction": 1.0 - sum(rows) / (bucket * len(rows)) if bucket else 0.0}
 
 
 class _Plan:

@@ -335,7 +335,8 @@ class Program:
             folder = self.owner._dump_folder(self.key)
             if folder:
                 from runtime.report import write_dump
-                write_dump(self, folder)
+                write_dump(self, folder,
+                           padding_overhead=getattr(self, "dyn_padding", None))
         return self
 
     def set_executable(self, compiled: Any) -> None:

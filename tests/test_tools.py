@@ -371,6 +371,23 @@ def test_runtime_dumps_one_folder_per_compile(tmp_path, monkeypatch, via_env):
     assert not any(f.endswith(".txt") for f in os.listdir(d))  # nothing at the top level
 
 
+def test_a_dynamic_steps_dump_reports_its_padding(tmp_path):
+    """A dynamic-shape program's dump says the padding of the call it was compiled for
+    (5 real rows per replica in a pow2 bucket of 8: 37.5%); before, "no dynamic shapes"
+    (found by a probe)."""
+    from runtime.report import summary
+    d = tmp_path / "dump"
+    step = rt.replicate(_dump_step, num_replicas=2,
+                        options=rt.RunOptions(dump_dir=str(d), dynamic_shapes=True))
+    step(np.ones((4, 2), np.float32), rt.distribute(np.ones((10, 4), np.float32), 2))
+    (sub,) = os.listdir(d)
+    rep = json.loads((d / sub / "report.json").read_text())
+    assert rep["padding_overhead"] == {"bucketing": "pow2", "real_rows": [5, 5], "bucket": 8,
+                                       "padded_fraction": 0.375}
+    assert summary(rep).splitlines()[-1] == ("padding overhead (pow2): rows per replica [5, 5] "
+                                             "-> bucket 8: 37.5% padding")
+
+
 def test_report_is_one_shared_module():
     import inspect as pyinspect
     src = pyinspect.getsource(tinspect)
