@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import jax
@@ -289,10 +290,14 @@ def test_inspect_sweep_on_16_chips(tmp_path, monkeypatch, capsys):
     assert sorted(plans) == [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)]
     ok = [r for r in data["plans"] if r["status"] == "ok"]
     assert len(ok) == 5
-    est = [r["estimate_s"] for r in ok]
-    assert est == sorted(est)                       # ranked by the estimate
+    # make_args gives each replica TINY's batch: plans do other amounts of work, ranked by
+    # the estimate per example (before: per step, the plan doing least work first)
+    assert all(r["examples"] == r["replicas"] * TINY["batch"] for r in ok)
+    per = [r["per_example_s"] for r in ok]
+    assert per == sorted(per) and all(
+        r["per_example_s"] == pytest.approx(r["estimate_s"] / r["examples"]) for r in ok)
     assert all(r["fits"] and r["peak_bytes"] > 0 for r in ok)
-    assert "rank  replicas x K  estimate" in captured.out
+    assert re.search(r"rank  replicas x K  estimate +examples  per example", captured.out)
     assert "[sweep] compiled 5/5" in captured.err   # progress on stderr
 
 

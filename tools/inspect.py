@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from tools._common import (add_compile_options, add_debug_option, check_compile_options,
                            ensure_target, lower_step, output_paths, run_tool, writable_dir)
@@ -68,7 +69,18 @@ def plans(n: int) -> list[tuple[int, int]]:
 def _plan_row(n: int, k: int) -> dict:
     return {"replicas": n, "logical_devices": k, "status": "not allowed", "estimate_s": None,
             "bound": None, "peak_bytes": None, "fits": None, "collective_bytes": None,
-            "compile_s": None, "error": None}
+            "compile_s": None, "error": None, "examples": None, "per_example_s": None}
+
+
+def _examples(lowered: Any, n: int) -> int | None:
+    """Rows one step processes: the leading dim of the step's first per-replica input
+    times the replicas (``None`` without one). ``make_args`` may give each plan another
+    global batch (a fixed batch per replica): plans are ranked by time per example."""
+    from ir.types import Replica
+    for v in lowered.ir(after="import").inputs:
+        if v.type.replica is Replica.VARYING and v.type.rank and isinstance(v.type.shape[0], int):
+            return int(v.type.shape[0]) * n
+    return None
 
 
 def sweep(ns: argparse.Namespace) -> list[dict]:
@@ -95,6 +107,7 @@ def sweep(ns: argparse.Namespace) -> list[dict]:
               file=sys.stderr, flush=True)
         try:
             lowered.append((row, lower_step(sub, ns.target)[1]))
+            row["examples"] = _examples(lowered[-1][1], n)
         except Exception as e:  # noqa: BLE001 - an annotation this split cannot hold
             row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
@@ -112,7 +125,9 @@ def sweep(ns: argparse.Namespace) -> list[dict]:
             fit, roof = c.memory_fit(), c.roofline()
             row.update(status="ok" if fit.fits else "does not fit", fits=fit.fits,
                        peak_bytes=fit.peak_bytes, estimate_s=roof.estimate_s, bound=roof.bound,
-                       collective_bytes=roof.collective_bytes)
+                       collective_bytes=roof.collective_bytes,
+                       per_example_s=roof.estimate_s / row["examples"] if row["examples"]
+                       else None)
         row["compile_s"] = time.perf_counter() - t0
         return row
 
@@ -125,7 +140,11 @@ def sweep(ns: argparse.Namespace) -> list[dict]:
                   f"{r['logical_devices']} ({r['status']}, {r['compile_s']:.2f} s)",
                   file=sys.stderr, flush=True)
     order = {"ok": 0, "does not fit": 1, "compile error": 2, "not allowed": 3}
-    rows.sort(key=lambda r: (order[r["status"]], r["estimate_s"] if r["estimate_s"] is not None
+    # (by time per example where every plan has one: plans of other global batches do
+    # other amounts of work; found by a probe: the one doing least work ranked first)
+    per_example = all(r["per_example_s"] is not None for r in rows if r["estimate_s"] is not None)
+    key = "per_example_s" if per_example else "estimate_s"
+    rows.sort(key=lambda r: (order[r["status"]], r[key] if r[key] is not None
                              else float("inf"), r["peak_bytes"] or 0))
     return rows
 
@@ -133,12 +152,14 @@ def sweep(ns: argparse.Namespace) -> list[dict]:
 def sweep_table(rows: list[dict], target: str) -> str:
     """The ranked plans as an aligned table (best first)."""
     from runtime.tpu import _human_bytes
-    head = ("rank", "replicas x K", "estimate", "bound", "peak memory", "fits",
-            "collective bytes", "status")
+    head = ("rank", "replicas x K", "estimate", "examples", "per example", "bound",
+            "peak memory", "fits", "collective bytes", "status")
     out = [head]
     for i, r in enumerate(rows, 1):
         out.append((str(i), f"{r['replicas']} x {r['logical_devices']}",
                     f"{r['estimate_s'] * 1e3:.4g} ms" if r["estimate_s"] is not None else "-",
+                    str(r["examples"]) if r.get("examples") else "-",
+                    f"{r['per_example_s'] * 1e6:.4g} us" if r.get("per_example_s") else "-",
                     r["bound"] or "-",
                     _human_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "-",
                     {True: "yes", False: "no", None: "-"}[r["fits"]],
