@@ -564,7 +564,8 @@ def scope_name(op: Op) -> str:
     sources = op.attr("sources") if op.name == "all_reduce" else None
     if sources:  # a bucket of gradient all-reduces: every member's line, nested scopes
         return "/".join(ir_scope(op.name, *s.rsplit(":", 1)) for s in sources)
-    key = (op.name, op.loc.file, op.loc.line)
+    # (the user's line where the op's is a library's: flax's linear.py for every layer)
+    key = (op.name, *jc.user_site(op.loc.file, op.loc.line, op.loc.traceback))
     name = _SCOPES.get(key)
     if name is None:
         if len(_SCOPES) >= 65536:

@@ -508,14 +508,28 @@ def user_call_site(traceback: Any) -> str:
         return f"{os.path.basename(f.file_name)}:{f.start_line}"
 
     def in_library(f: Any) -> bool:
-        return any(d in f.file_name for d in (f"{os.sep}site-packages{os.sep}",
-                                              f"{os.sep}dist-packages{os.sep}"))
+        return _in_library(f.file_name)
     first = frames[0]
     if not in_library(first):
         return short(first)
     package = first.file_name.split("-packages" + os.sep, 1)[1].split(os.sep, 1)[0]
     caller = next((f for f in frames if not in_library(f)), None)
     return short(first) + f" ({package})" + (f", called from {short(caller)}" if caller else "")
+
+
+def user_site(file: str, line: int, traceback: Any) -> tuple[str, int]:
+    """``(file, line)``, or, when ``file`` is a library's (``site-packages``: flax's
+    ``linear.py``), the first frame of ``traceback`` outside every library: the user's
+    line that called it (the collectives report named ``linear.py:294`` for every layer's
+    gradient all-reduce; found by a probe)."""
+    if traceback is None or not _in_library(file):
+        return file, line
+    caller = next((f for f in _siu.user_frames(traceback) if not _in_library(f.file_name)), None)
+    return (caller.file_name, caller.start_line) if caller is not None else (file, line)
+
+
+def _in_library(file: str) -> bool:
+    return any(d in file for d in (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"))
 
 
 #: while a replica is traced: what handles a layout the step's code asks JAX for

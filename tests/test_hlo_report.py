@@ -387,3 +387,32 @@ ENTRY %main (p: f32[8,16]) -> f32[8,16] {
 """
     (c,) = collectives(text)
     assert (c.kind, c.bytes, c.replica_groups) == ("ragged-all-to-all", 512, ((0, 1),))
+
+
+def test_a_libraryss_collective_names_the_users_line():
+    """A flax model's gradient all-reduces are made in flax's ``linear.py``: the report
+    names the user's lines that called each layer (before: ``linear.py:294, linear.py:287``
+    for every layer; found by a probe)."""
+    import inspect
+
+    import flax.linen as nn
+
+    import runtime as rt
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jnp.tanh(nn.Dense(32)(x))
+            return nn.Dense(4)(x)
+    m = MLP()
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(m.apply(p, x) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - b, p, g), loss
+    p = m.init(jax.random.key(0), jnp.ones((2, 16)))
+    compiled = rt.replicate(step, num_replicas=4).lower(
+        p, rt.distribute(np.ones((16, 16), np.float32), 4)).compile()
+    lines, first = inspect.getsourcelines(MLP.__call__)
+    dense = [f"test_hlo_report.py:{first + i}" for i, s in enumerate(lines) if "nn.Dense" in s]
+    sources = {s for c in compiled.collectives() for s in c.source.split(", ")}
+    assert sources == set(dense), (sources, dense)

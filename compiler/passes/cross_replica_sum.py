@@ -955,8 +955,10 @@ def merged_all_reduce(members: list[Op]) -> Op:
     last = members[-1]
     # every member's line (the merged op's location is the last one's): the collectives
     # report names them all (``compiler.lower.scope_name``)
-    sources = tuple(dict.fromkeys(f"{os.path.basename(m.loc.file)}:{m.loc.line}"
-                                  for m in members if m.loc is not None and m.loc.line))
+    sources = tuple(dict.fromkeys(
+        "{}:{}".format(os.path.basename(site[0]), site[1]) for m in members
+        if m.loc is not None and m.loc.line
+        for site in (jc.user_site(m.loc.file, m.loc.line, m.loc.traceback),)))
     return Op("all_reduce", tuple(v for m in members for v in m.operands),
               tuple(r for m in members for r in m.results),
               (("reduce", last.attr("reduce")), ("axes", last.attr("axes")),
