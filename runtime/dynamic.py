@@ -624,6 +624,10 @@ class DynamicPath:
             if "_DimExpr" not in str(e) and "symbolic" not in str(e):
                 raise
             raise _symbolic_size(e, name, syms) from e
+        except (NotImplementedError, ValueError) as e:
+            if not _mentions_dims(str(e), syms):
+                raise
+            raise type(e)(_failed_on_dims(e, name, syms)) from e
         graph = _with_bounds(graph, bounds)
         res = (graph, t, bool(local_views), specs, out_info["treedef"])
         with self.lock:
@@ -943,6 +947,29 @@ def _symbolic_size(e: Exception, name: str, syms: tuple) -> TypeError:
         f"{', '.join(syms)} are symbolic ({str(e).strip().splitlines()[0]}); one trace serves "
         f"every size, so that code cannot depend on the size's value: keep that axis static "
         f"(RunOptions(dynamic_dims=...)) or avoid the operation on the padded axis")
+
+
+def _mentions_dims(message: str, syms: tuple) -> bool:
+    """Does JAX's error ``message`` name a dynamic dim in a shape or an expression
+    (``(b, 1, 1, t)``, ``floordiv(t - 3, 2)``, "axis of non-constant size: b")?"""
+    if "non-constant size" in message or "floordiv(" in message:
+        return True
+    return any(re.search(rf"[(\[,]\s*{re.escape(s)}\s*[,)\]]", message) for s in syms)
+
+
+def _failed_on_dims(e: Exception, name: str, syms: tuple) -> str:
+    """JAX failed on a dynamic dim while tracing (``lax.associative_scan`` along it; the
+    gradient of a strided ``VALID`` convolution over it; shapes that cannot broadcast
+    because one argument's axis is dynamic and another's static): the user's line, the
+    dims, JAX's message and what to do. Before: JAX's message alone, naming no line."""
+    from ir import _jax_compat as jc
+    where = jc.user_location_of_exception(e)
+    at = f" at {os.path.basename(where[0])}:{where[1]}" if where else ""
+    first = str(e).strip().splitlines()[0]
+    return (f"dynamic shapes: tracing {name}{at} with dynamic dims ({', '.join(syms)}) failed "
+            f"inside JAX: {first}; JAX cannot do this with a symbolic size: keep that axis "
+            f"static (RunOptions(dynamic_dims=...)), or check that every argument's axes "
+            f"that hold one size are dynamic alike")
 
 
 def _inconclusive(e: Exception, name: str, syms: tuple, bounds: dict) -> ValueError:

@@ -606,6 +606,32 @@ def test_pmean_over_a_vmap_axis_of_dynamic_size(axes):
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6)
 
 
+_JAX_FAILS = {  # name: (step, the per-replica inputs' shapes, dynamic_dims, JAX's words)
+    "associative_scan_along_the_padded_axis": (
+        lambda x: lax.associative_scan(jnp.add, x, axis=0), [(5, 3), (3, 3)], None,
+        "non-constant size"),
+    "strided_valid_convolution_gradient": (
+        lambda x: jax.grad(lambda x: jnp.sum(lax.conv_general_dilated(
+            x, jnp.ones((3, 4, 2)), (2,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"))))(x),
+        [(2, 5, 4), (2, 3, 4)], {0: {1: "t"}}, "padding argument"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_JAX_FAILS))
+def test_jax_failing_on_a_dynamic_dim_names_the_line_and_the_fix(name):
+    """JAX itself fails on a symbolic size while the step is traced (no padding rule is
+    reached): the error names the user's line, the dynamic dims, JAX's message and
+    ``dynamic_dims``. Before: JAX's message alone (found by a probe)."""
+    step, shapes, dims, words = _JAX_FAILS[name]
+    opts = rt.RunOptions(dynamic_shapes=True, **({"dynamic_dims": dims} if dims else {}))
+    s = rt.replicate(step, num_replicas=2, options=opts)
+    with pytest.raises((ValueError, NotImplementedError)) as info:
+        s(rt.PerReplica([np.ones(sh, np.float32) for sh in shapes]))
+    msg = str(info.value)
+    assert msg.startswith("dynamic shapes: tracing <lambda> at test_dynamic.py:")
+    assert words in msg and "RunOptions(dynamic_dims=...)" in msg, msg
+
+
 _SIZE_LOSSES = {
     "maximum": lambda w, x: jnp.sum(x @ w) + jnp.maximum(x.shape[0], 1) * jnp.sum(w ** 2),
     "ones_sum": lambda w, x: jnp.sum(x @ w) + jnp.ones(x.shape[0]).sum() * jnp.sum(w ** 2),
