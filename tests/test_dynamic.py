@@ -153,7 +153,7 @@ def test_scan_over_padded_axis_is_a_clear_error():
     ("reduce_scatter", lambda x: rt.psum_scatter(x, 1)),
     ("reduce_scatter", lambda x: jax.lax.psum_scatter(x, "replica", scatter_dimension=1,
                                                       tiled=True)),
-    ("all_gather", lambda x: rt.all_gather(x, axis=1)),
+    ("all_gather_invariant", lambda x: rt.all_gather(x, axis=1)),  # (rt.all_gather's op)
     ("all_to_all", lambda x: rt.all_to_all(x, 1, 1)),
     ("ppermute", lambda x: rt.ppermute(x, [(0, 1), (1, 0)])),
     ("all_reduce", lambda x: rt.all_reduce(x, "max")),
