@@ -682,6 +682,11 @@ _ROUNDINGS = {  # name: (loss of (w, x), rows of x per replica, loss reduction)
     "f16_cast_inside_fori_loop": (lambda w, x: jnp.sum(lax.fori_loop(
         0, 1, lambda i, c: c + _halved_twice(lambda f: f)(w), jnp.zeros_like(w)) * x),
         [[20000.0]] * 4, "sum"),
+    # max pooling of the cast weight (its gradient: a select-and-scatter, linear in the
+    # cotangent; found by a probe)
+    "f16_max_pooled": (lambda w, x: jnp.sum(lax.reduce_window(
+        jnp.concatenate([w, w * 0.5]).astype(jnp.float16), -jnp.inf, lax.max, (2,), (1,),
+        "VALID") * x.astype(jnp.float16)).astype(jnp.float32), [[20000.0]] * 4, "sum"),
     "bf16_cast_inside_jit": (lambda w, x: jnp.sum(jax.jit(
         lambda v: (v.astype(jnp.bfloat16) * v.astype(jnp.bfloat16)).astype(jnp.float32))(w)
         * x), [[256.0], [1.0]], "mean"),

@@ -353,6 +353,9 @@ def _linear_in(op: Op, mine: list[int], mirrored: Callable[[Value], bool],
         return mine == [0] and all(mirrored(v) for v in rest)
     if name == "div":
         return mine == [0] and mirrored(ops_[1])
+    if name in ("select_and_scatter_add", "select_and_gather_add"):  # (max pooling's
+        # gradient and tangent: linear in the source, the pooled operand picks where)
+        return mine == [0] and mirrored(ops_[1])
     if name == "select_n":  # (the predicate picks; the other cases zeros)
         return 0 not in mine and mirrored(ops_[0]) and all(zero(v) for v in rest[1:])
     return False
