@@ -625,7 +625,10 @@ class DynamicPath:
                 raise
             raise _symbolic_size(e, name, syms) from e
         except (NotImplementedError, ValueError) as e:
-            if not _mentions_dims(str(e), syms):
+            # (JAX's plain errors only: this project's are subclasses with messages of
+            # their own, rt.ShardingConstraintError's naming the value's dynamic type)
+            if type(e) not in (NotImplementedError, ValueError) or not _mentions_dims(
+                    str(e), syms):
                 raise
             raise type(e)(_failed_on_dims(e, name, syms)) from e
         graph = _with_bounds(graph, bounds)
