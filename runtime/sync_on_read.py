@@ -78,7 +78,10 @@ class SyncOnRead:
         """The aggregate over replicas (numpy): their sum, their mean, or replica 0's."""
         self._outside("read")
         vals = self._values.values
-        local_view = is_local_view(self._values)  # several processes: a collective
+        # several processes: a collective (an accumulator made outside a step holds this
+        # process's replicas only, as one a step returned does: before, its read() reduced
+        # them alone, 4 of 8 replicas; found by a probe)
+        local_view = is_local_view(self._values) or jax.process_count() > 1
         if self.aggregation == "only_first_replica":
             if local_view:
                 from jax.experimental import multihost_utils
@@ -113,11 +116,16 @@ class SyncOnRead:
         n = self._n
         if self.aggregation != "sum":
             return SyncOnRead(PerReplica([tree] * n), self.aggregation)
+        # (several processes: this process's n replicas of n x process_count in all, and
+        # the first one process 0's; before, each process split the value over its own
+        # replicas alone: 20 read back where 10 was assigned on 2 processes)
+        total = n * jax.process_count()
+        first = jax.process_index() == 0
 
         def part(x: np.ndarray, r: int) -> np.ndarray:
             if np.issubdtype(x.dtype, np.inexact):
-                return (x / n).astype(x.dtype)
-            return x if r == 0 else np.zeros_like(x)
+                return (x / total).astype(x.dtype)
+            return x if r == 0 and first else np.zeros_like(x)
         return SyncOnRead(PerReplica([jax.tree.map(lambda x: part(x, r), tree)
                                       for r in range(n)]), self.aggregation)
 
@@ -228,6 +236,8 @@ jax.tree_util.register_pytree_node(SyncOnRead, _flatten, _unflatten)
 
 def _first_replica_process(values: Any) -> int:
     """The process holding replica 0 of a step's per-replica result (its global array's
-    first device along the replica axis)."""
+    first device along the replica axis); process 0 for one made outside a step."""
+    if values._global is None:
+        return 0
     g = values._global[1][0]
     return int(g.sharding.mesh.devices.flat[0].process_index)

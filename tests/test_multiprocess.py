@@ -57,8 +57,10 @@ def test_two_processes_equal_one_process_adam(tmp_path):
     assert rc == 0, log1[-4000:]
     assert "process 0/1: 8 replicas" in log1
     # rt.reduce and SyncOnRead.read over every process's replicas, not the local ones
-    # (before: 6 and 22 for the sum over two processes' 4 replicas each, of 28)
-    want = "reductions: sum 28 mean 3.5 max 7 min 0 read 36 first 1"
+    # (before: 6 and 22 for the sum over two processes' 4 replicas each, of 28); an
+    # accumulator made outside a step too (before: fresh 4 of 8, 20 where 10 was assigned)
+    want = ("reductions: sum 28 mean 3.5 max 7 min 0 read 36 first 1 fresh 8 assigned 10 "
+            "counted 10")
     assert f"[p0] {want}" in log and f"[p1] {want}" in log and want in log1, log[-4000:]
     mp, sp = np.load(mp_out), np.load(sp_out)
     mp1 = np.load(f"{mp_out}.p1.npz")

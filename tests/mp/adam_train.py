@@ -57,9 +57,17 @@ def main(out_path: str) -> None:
                                                b.update(lambda t: add(t, v))), num_replicas=n)(
         rt.SyncOnRead(np.float32(0), "sum", num_replicas=len(mine)),
         rt.SyncOnRead(np.float32(0), "only_first_replica", num_replicas=len(mine)), mine_x)
+    # an accumulator made outside a step holds this process's replicas: its read() and
+    # assign() are over every process's (fresh: 1 per replica; 10 assigned, then a step)
+    fresh = rt.SyncOnRead(np.float32(1), "sum", num_replicas=len(mine))
+    same = rt.replicate(lambda a: a.update(lambda t: t), num_replicas=n)
+    assigned = same(fresh.assign(np.float32(10)))
+    counted = same(rt.SyncOnRead(np.int32(0), "sum", num_replicas=len(mine)).assign(np.int32(10)))
     print("reductions: " + " ".join(f"{op} {float(rt.reduce(op, own)):g}"
                                     for op in ("sum", "mean", "max", "min"))
-          + f" read {float(acc.read()):g} first {float(first.read()):g}", flush=True)
+          + f" read {float(acc.read()):g} first {float(first.read()):g}"
+          + f" fresh {float(fresh.read()):g} assigned {float(assigned.read()):g}"
+          + f" counted {int(counted.read())}", flush=True)
     flat = {jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_flatten_with_path(p)[0]}
     # process 0 writes out_path; the others out_path.p<id>.npz (mirrored results are the
