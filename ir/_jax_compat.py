@@ -1756,7 +1756,7 @@ def install_custom_vjp_sum() -> None:
 
 def _varying_outputs(fwd: Any) -> Any:
     """A ``custom_vjp`` ``fwd`` rule whose (inexact) primal outputs are typed varying over
-    every manual mesh axis (values unchanged); its residuals as they are. A
+    every manual mesh axis (values unchanged), and its inexact residuals. A
     ``jax.custom_gradient`` function's (:func:`_custom_gradient_fun`) has its outputs
     cast before its gradient function is traced on their types."""
     fun_cell = _custom_gradient_fun(fwd)
@@ -1770,7 +1770,11 @@ def _varying_outputs(fwd: Any) -> Any:
             out, *residuals = fwd(*args, **kwargs)
         finally:
             _IN_GRADIENT_FWD.reset(token)
-        return (_inexact_varying(out), *residuals)
+        # (the residuals too: a backward function that differentiates with them,
+        # ``jax.vjp(f, *res)[1](g)``, would otherwise sum a mirrored residual's cotangent
+        # over the replicas itself, and the sum of the cotangents it returns then counted
+        # it N times; found by a probe)
+        return (_inexact_varying(out), *_inexact_varying(residuals))
     return wrapped
 
 

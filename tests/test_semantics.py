@@ -953,6 +953,34 @@ def test_custom_vjp_backward_identical_on_every_replica_counts_once_per_replica(
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_custom_vjp_backward_that_differentiates_its_residuals(reduction):
+    """A ``custom_vjp`` whose backward function is ``jax.vjp(f, *residuals)[1](g)`` with a
+    mirrored weight among the residuals (a layer reusing JAX's own derivative): each
+    replica's backward gives its own cotangent, added once over the replicas (oracle:
+    pmap with ``pmean`` / ``psum``). Before: N times that (the inner vjp summed the
+    mirrored residual's cotangent over the replicas, and the backward's result was summed
+    again; found by a probe)."""
+    n = 4
+
+    def mul(x, w):
+        return jnp.tanh(x @ w)
+
+    @jax.custom_vjp
+    def layer(x, w):
+        return mul(x, w)
+    layer.defvjp(lambda x, w: (mul(x, w), (x, w)), lambda res, g: jax.vjp(mul, *res)[1](g))
+
+    def grad(w, x):
+        return jax.grad(lambda w: jnp.sum(layer(x, w) ** 2))(w)
+    x = np.random.default_rng(0).normal(size=(n, 3, 2)).astype(np.float32)
+    w = np.full((2, 2), 0.5, np.float32)
+    got = rt.replicate(grad, num_replicas=n, loss_reduction=reduction)(w, rt.PerReplica(list(x)))
+    red = lax.pmean if reduction == "mean" else lax.psum
+    want = jax.pmap(lambda w, x: red(grad(w, x), "i"), "i", in_axes=(None, 0))(w, x)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("how", ["vjp", "linear_transpose"])
 def test_vjp_of_a_mirrored_function_seeded_per_replica(how, reduction):
     """``jax.vjp(f, w)`` (or ``jax.linear_transpose``) of a mirrored ``w`` (its output
