@@ -130,6 +130,26 @@ def _model_axes() -> bool:
     return any(a != REPLICA_AXIS and n > 1 for a, n in zip(mesh.axis_names, mesh.axis_sizes))
 
 
+#: lowering rules that only act with K > 1 logical devices (model axes): with K = 1 the
+#: second trace stages their ops directly, as any op without a rule (``eval_graph``)
+MODEL_AXES_RULES: dict[str, Rule] = {}
+
+
+def model_axes_rule(*names: str):
+    def register(fn: Rule) -> Rule:
+        for n in names:
+            MODEL_AXES_RULES[n] = fn
+        return fn
+    return register
+
+
+def _unsplit(x: Any, dims: Any) -> Any:
+    """``x`` constrained unsplit over the logical devices along ``dims`` (a set of dim
+    indices), its other dims as XLA's propagation leaves them."""
+    spec = P(*[None if d in dims else P.UNCONSTRAINED for d in range(len(x.shape))])
+    return lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
+
+
 def _unsplit_along(op: Op, args: list[Any], dims: list[bool]) -> list[Any]:
     """``op`` bound with its operands and results of ``len(dims)`` dims unsplit over the
     logical devices along ``dims`` (a flag per dim), the other dims as XLA's propagation
@@ -137,15 +157,14 @@ def _unsplit_along(op: Op, args: list[Any], dims: list[bool]) -> list[Any]:
     with K = 1 or nothing to unsplit."""
     if not _model_axes() or not any(dims):
         return _bind(op, args)
-    spec = P(*[None if d else P.UNCONSTRAINED for d in dims])
-    sharding = NamedSharding(jax.sharding.get_abstract_mesh(), spec)
+    along = {d for d, flag in enumerate(dims) if flag}
 
     def unsplit(x):
-        return lax.with_sharding_constraint(x, sharding) if len(x.shape) == len(dims) else x
+        return _unsplit(x, along) if len(x.shape) == len(dims) else x
     return [unsplit(r) for r in _bind(op, [unsplit(a) for a in args])]
 
 
-@rule("select_and_scatter_add")
+@model_axes_rule("select_and_scatter_add")
 def _select_and_scatter_add(op: Op, args: list[Any]) -> list[Any]:
     """The gradient of a max or min ``reduce_window`` (max pooling), with K > 1 logical
     devices: unsplit along the windowed dims. XLA's SPMD partitioner gives wrong numbers
@@ -158,7 +177,7 @@ def _select_and_scatter_add(op: Op, args: list[Any]) -> list[Any]:
         op.attr("window_dimensions"), op.attr("window_strides"), op.attr("padding"))])
 
 
-@rule("conv_general_dilated")
+@model_axes_rule("conv_general_dilated")
 def _conv(op: Op, args: list[Any]) -> list[Any]:
     """A convolution whose kernel is not a weight (per-replica data: the gradient of a
     kernel, ``jnp.convolve(a, a[:4])``; or one whose output window is smaller than its
@@ -183,19 +202,14 @@ def _conv(op: Op, args: list[Any]) -> list[Any]:
     small = any(out_shape[o] < rhs_shape[r] for o, r in zip(out_spec[2:], rhs_spec[2:]))
     if op.operands[1].type.replica is not Replica.VARYING and not groups and not small:
         return _bind(op, args)
-    mesh = jax.sharding.get_abstract_mesh()
-
-    def unsplit(x, dims):
-        spec = P(*[None if d in dims else P.UNCONSTRAINED for d in range(len(x.shape))])
-        return lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     grouped = (op.attr("feature_group_count") or 1) > 1  # (the kernel gradient of batch groups)
-    lhs = unsplit(args[0], set(lhs_spec[2:]) | ({lhs_spec[0]} if groups else set())
-                  | ({lhs_spec[1]} if grouped else set()))
-    rhs = unsplit(args[1], set(rhs_spec[2:]))
-    return [unsplit(r, set(out_spec[2:])) for r in _bind(op, [lhs, rhs])]
+    lhs = _unsplit(args[0], set(lhs_spec[2:]) | ({lhs_spec[0]} if groups else set())
+                   | ({lhs_spec[1]} if grouped else set()))
+    rhs = _unsplit(args[1], set(rhs_spec[2:]))
+    return [_unsplit(r, set(out_spec[2:])) for r in _bind(op, [lhs, rhs])]
 
 
-@rule("pad")
+@model_axes_rule("pad")
 def _pad(op: Op, args: list[Any]) -> list[Any]:
     """A ``pad`` with K > 1 logical devices: unsplit along each dim whose padding both cuts
     (a negative low or high) and interleaves (interior): XLA's partitioner aborted the
@@ -214,7 +228,7 @@ _TWO_AXIS_ABORTS = ("gather", "scatter", "scatter-add", "scatter-mul", "scatter-
                     "svd", "eig", "geqrf", "householder_product")
 
 
-@rule(*_TWO_AXIS_ABORTS)
+@model_axes_rule(*_TWO_AXIS_ABORTS)
 def _replicated_on_two_model_axes(op: Op, args: list[Any]) -> list[Any]:
     """One of :data:`_TWO_AXIS_ABORTS`, on N > 1 replicas with two or more model axes:
     its operands and results replicated over the replica's logical devices (a found
@@ -230,12 +244,12 @@ def _replicated_on_two_model_axes(op: Op, args: list[Any]) -> list[Any]:
             rank = len(args[0].shape)
             return _unsplit_along(op, args, [d == op.attr("dimension") for d in range(rank)])
         return _bind(op, args)
-    whole = NamedSharding(mesh, P())
-    return [lax.with_sharding_constraint(r, whole) for r in _bind(
-        op, [lax.with_sharding_constraint(a, whole) for a in args])]
+    def whole(x):
+        return _unsplit(x, range(len(x.shape)))
+    return [whole(r) for r in _bind(op, [whole(a) for a in args])]
 
 
-@rule("fft")
+@model_axes_rule("fft")
 def _fft(op: Op, args: list[Any]) -> list[Any]:
     """An FFT, with K > 1 logical devices: unsplit along its transformed (last) axes.
     XLA:CPU aborted the call of a complex FFT split along them (``RET_CHECK ...
@@ -486,7 +500,8 @@ def _plain(region: Graph) -> bool:
     """A region whose ops all re-bind their JAX primitive with plain attributes (no
     lowering rule, no nested region): what it lowers to depends on nothing but itself
     (a scatter's combiner, a reduction's body, a sort's comparator)."""
-    return all(not op.regions and op.name not in LOWERING_RULES for op in region.ops)
+    return all(not op.regions and op.name not in LOWERING_RULES
+               and op.name not in MODEL_AXES_RULES for op in region.ops)
 
 
 #: jaxprs rebuilt from plain regions, by the region's exact key (``_graph_key``) and the
@@ -742,17 +757,21 @@ def eval_graph(graph: Graph, args: Sequence[Any]) -> list[Any]:
     stager = _STAGER.get()
     # (the same for every op here: nothing enters a context between them)
     ctx = jc.eqn_context() if stager is not None else None
+    # (K > 1 only, which ``_SCOPE_EVERY_OP`` is: with K = 1 a convolution, a gather, a pad
+    # are staged directly, as before their rules existed)
+    model_rules = MODEL_AXES_RULES if _SCOPE_EVERY_OP.get() else {}
     for op in graph.ops:
         try:
             outs = None
             vals = [env[v] for v in op.operands]
             if stager is not None:
-                if not op.regions and op.name not in LOWERING_RULES:
+                if not op.regions and op.name not in LOWERING_RULES and \
+                        op.name not in model_rules:
                     outs = stager.stage(op, vals, ctx)
                 elif op.name in _SHARABLE:
                     outs = stager.shared_call(op, vals, ctx)
             if outs is None:
-                fn = LOWERING_RULES.get(op.name, _bind)
+                fn = model_rules.get(op.name) or LOWERING_RULES.get(op.name, _bind)
                 if fn is _cast_varying:  # (an identity: ``Var`` objects pass as they are)
                     env.update(zip(op.results, vals))
                     continue
