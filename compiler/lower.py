@@ -35,10 +35,12 @@ CALL_LIKE = frozenset({"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "che
                        "custom_vjp_call_jaxpr", "named_call"}) | jc.CALL_PRIMITIVES
 
 
-def rule(*names: str):
+def rule(*names: str, table: dict[str, Rule] | None = None):
+    """Register a lowering rule for the ops ``names`` (in ``table``: ``LOWERING_RULES``
+    unless given)."""
     def register(fn: Rule) -> Rule:
         for n in names:
-            LOWERING_RULES[n] = fn
+            (LOWERING_RULES if table is None else table)[n] = fn
         return fn
     return register
 
@@ -136,11 +138,7 @@ MODEL_AXES_RULES: dict[str, Rule] = {}
 
 
 def model_axes_rule(*names: str):
-    def register(fn: Rule) -> Rule:
-        for n in names:
-            MODEL_AXES_RULES[n] = fn
-        return fn
-    return register
+    return rule(*names, table=MODEL_AXES_RULES)
 
 
 def _unsplit(x: Any, dims: Any) -> Any:
